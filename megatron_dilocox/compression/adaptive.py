@@ -1,0 +1,30 @@
+"""The two adaptation rules (DESIGN §3). Pure functions of values every cluster holds identically.
+
+Rank: from the cumulative energy the current rank captures (summed over clusters), grow when even the
+full rank keeps less than the threshold, shrink (at most by half per round, for stability) to the
+smallest rank that keeps it. H: make a round's compute at least as long as the transfer it must hide.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def choose_rank(cum_energy: Sequence[float], total_energy: float, rank: int, threshold: float,
+                rank_min: int, rank_max: int) -> int:
+    """Next rank, in [rank_min, rank_max]. ``cum_energy[k-1]`` is the energy the top k components keep."""
+    if total_energy <= 0 or not cum_energy:
+        return rank
+    kept = [c / total_energy for c in cum_energy]
+    if kept[-1] < threshold:
+        return min(rank_max, max(rank_min, 2 * rank))
+    enough = next(k for k, frac in enumerate(kept, start=1) if frac >= threshold)
+    return max(rank_min, enough, rank // 2)
+
+
+def choose_h(comm_seconds: float, step_seconds: float, h: int, margin: float, h_min: int, h_max: int) -> int:
+    """Next H: ceil(T_comm / T_step * (1 + margin)), clamped to [h_min, h_max]; unchanged without data."""
+    if comm_seconds <= 0 or step_seconds <= 0:
+        return h
+    need = math.ceil(comm_seconds / step_seconds * (1.0 + margin))
+    return min(h_max, max(h_min, need))

@@ -1,0 +1,247 @@
+"""One round's exchange of pseudo-gradients: compress, average over clusters, decompress.
+
+Per rank the codec owns the error-feedback buffers e and the warm-start Q of every low-rank group.
+``exchange`` turns this rank's pseudo-gradient δ into the cluster-average Δ:
+
+    M = δ + e
+    header all-gather      (round, layout, rank, ok flag, timings: refuse mismatches before any payload)
+    phase 1: P = M Q  (low-rank groups) and the small / 1-D tensors whole, quantized, averaged in fp32
+    P^ = orth(mean P)                                  (identical on every cluster)
+    phase 2: Q' = M^T P^, quantized, averaged in fp32  (+ energy statistics for adaptive rank)
+    Δ = P^ mean(Q')^T  and  mean(whole);   e = M - (what this cluster actually transmitted)
+
+Quantized payloads (4/8/16 bits) travel by all-gather and are summed locally in fp32 in cluster order, so
+no low-precision sum can overflow and every cluster gets bitwise the same Δ; fp32 payloads use a ring
+all-reduce (fewer bytes for C > 2). Error feedback is local (Vogels et al., 2019): the decompression of
+this cluster's own P^ Q'^T, so the running sum of transmitted updates equals the running sum of true
+updates minus the current e.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_dilocox.compression import adaptive, lowrank
+from megatron_dilocox.compression.collective import Collective, dense_allreduce_bytes
+from megatron_dilocox.compression.quantize import dequantize, payload_bytes, quantize
+from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
+
+MAGIC = 0x44694C6F  # "DiLo"
+HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step_seconds", "reserved")
+HEADER_BYTES = 8 * len(HEADER_FIELDS)
+
+
+class PayloadError(RuntimeError):
+    """A peer's payload does not match this cluster's round; nothing was applied."""
+
+
+@dataclass
+class ExchangeResult:
+    round: int
+    deltas: Optional[list]  # averaged pseudo-gradient per tensor, None when the round was refused
+    status: str  # "applied" or "refused: <why>"
+    num_clusters: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_dense_fp32: int = 0
+    compression_rel_error: float = 0.0
+    pseudo_grad_norm: float = 0.0
+    rank: int = 0
+    next_rank: int = 0
+    peer_comm_seconds: float = 0.0  # max over clusters of the previous round's transfer time
+    peer_step_seconds: float = 0.0  # max over clusters of the mean inner-step time
+    local_ok: bool = True
+
+
+@dataclass
+class _Group:
+    """Same-shape matrices compressed together as a batch."""
+    rows: int
+    cols: int
+    members: list = field(default_factory=list)
+
+
+class PseudoGradientCodec:
+    def __init__(self, shapes: Sequence[torch.Size], config: DiLoCoXConfig, device="cpu"):
+        self.cfg = config
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.numels = [s.numel() for s in self.shapes]
+        self.device = torch.device(device)
+        self.rank = config.lowrank_rank
+        by_shape: dict = {}
+        self.whole: list[int] = []
+        for i, s in enumerate(self.shapes):
+            rows, cols = (s[0], s.numel() // s[0]) if len(s) >= 2 and s[0] > 0 else (0, 0)
+            if config.lowrank and min(rows, cols) >= config.lowrank_min_dim:
+                if config.resolved_rank_max > min(rows, cols):
+                    raise DiLoCoXConfigError(
+                        f"--dilocox-lowrank-rank-max: rank {config.resolved_rank_max} exceeds min(rows, cols) = "
+                        f"{min(rows, cols)} of tensor {i} with shape {tuple(s)}; lower the rank or raise "
+                        f"--dilocox-lowrank-min-dim above {min(rows, cols)}")
+                by_shape.setdefault((rows, cols), _Group(rows, cols)).members.append(i)
+            else:
+                self.whole.append(i)
+        self.groups = list(by_shape.values())
+        self.error = [torch.zeros(s, dtype=torch.float32, device=self.device) for s in self.shapes]
+        self.q = [lowrank.init_q(len(g.members), g.cols, self.rank, config.seed, gi, self.device)
+                  for gi, g in enumerate(self.groups)]
+        self.layout_hash = self._layout_hash()
+
+    # ---------------------------------------------------------------------------------- layout
+    def _layout_hash(self) -> int:
+        text = repr((self.shapes, self.cfg.lowrank, self.cfg.lowrank_min_dim, self.cfg.quant_bits,
+                     self.cfg.quant_block_size))
+        return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)  # 48 bits: exact in float64
+
+    def payload_sizes(self, rank: Optional[int] = None) -> tuple[int, int]:
+        """Bytes this rank contributes to phase 1 and phase 2 at ``rank`` (closed form)."""
+        r = self.rank if rank is None else rank
+        bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
+        whole = sum(self.numels[i] for i in self.whole)
+        p1 = sum(payload_bytes(len(g.members) * g.rows * r, bits, block) for g in self.groups)
+        p1 += payload_bytes(whole, bits, block) if whole else 0
+        p2 = sum(payload_bytes(len(g.members) * g.cols * r, bits, block) for g in self.groups)
+        p2 += 4 * (r + 1) if self.groups else 0  # fp32 energy statistics
+        return p1, p2
+
+    def set_rank(self, rank: int, round_idx: int):
+        if rank != self.rank:
+            self.q = [lowrank.resize_q(q, rank, self.cfg.seed, gi, round_idx) for gi, q in enumerate(self.q)]
+            self.rank = rank
+
+    # ---------------------------------------------------------------------------------- exchange
+    def exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
+                 comm_seconds_prev: float = 0.0, step_seconds: float = 0.0) -> ExchangeResult:
+        C = coll.size
+        sent0, recv0 = coll.counter.sent, coll.counter.received
+        M = [d.detach().to(self.device, torch.float32).reshape(s) + e
+             for d, s, e in zip(deltas, self.shapes, self.error)]
+        local_ok = all(bool(torch.isfinite(m).all()) for m in M)
+        result = ExchangeResult(round=round_idx, deltas=None, status="applied", num_clusters=C,
+                                rank=self.rank, next_rank=self.rank, local_ok=local_ok,
+                                bytes_dense_fp32=dense_allreduce_bytes(sum(self.numels), C),
+                                pseudo_grad_norm=_norm([d.float() for d in deltas]))
+
+        def finish(status: Optional[str] = None) -> ExchangeResult:
+            result.bytes_sent = coll.counter.sent - sent0
+            result.bytes_received = coll.counter.received - recv0
+            if status is not None:
+                result.status, result.deltas = status, None
+                if local_ok:  # keep this round's progress for the next round instead of losing it
+                    self.error = M
+            return result
+
+        header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
+                               comm_seconds_prev, step_seconds, 0.0], dtype=torch.float64)
+        headers = [h.view(torch.float64) for h in coll.all_gather(header.view(torch.uint8))]
+        self._check_headers(headers, header, coll.rank)
+        result.peer_comm_seconds = max(float(h[5]) for h in headers)
+        result.peer_step_seconds = max(float(h[6]) for h in headers)
+        bad = [c for c, h in enumerate(headers) if h[4] != 1.0]
+        if bad:
+            return finish(f"refused: non-finite pseudo-gradient from cluster(s) {bad}")
+
+        mats = [torch.stack([M[i].reshape(g.rows, g.cols) for i in g.members]) for g in self.groups]
+        whole = torch.cat([M[i].reshape(-1) for i in self.whole]) if self.whole else None
+        pieces1 = [torch.bmm(m, q) for m, q in zip(mats, self.q)] + ([whole] if whole is not None else [])
+        sums1, sent1, _ = self._reduce(pieces1, [], coll)
+        if not all(bool(torch.isfinite(s).all()) for s in sums1):
+            return finish("refused: non-finite values in the averaged phase-1 payload")
+
+        out = [None] * len(M)
+        transmitted = [None] * len(M)
+        G = len(self.groups)
+        if whole is not None:
+            mean_whole, own_whole = sums1[G] / C, sent1[G]
+            offset = 0
+            for i in self.whole:
+                n = self.numels[i]
+                out[i] = mean_whole[offset:offset + n].view(self.shapes[i])
+                transmitted[i] = own_whole[offset:offset + n].view(self.shapes[i])
+                offset += n
+        if G:
+            p_hat = [lowrank.orthonormalize(s / C) for s in sums1[:G]]
+            q_local = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(mats, p_hat)]
+            cum = sum(lowrank.cumulative_energy(q) for q in q_local)
+            total = sum(float((m * m).sum()) for m in mats)
+            stats = torch.cat([cum, torch.tensor([total])]).float()
+            sums2, sent2, (stat_sum,) = self._reduce(q_local, [stats], coll)
+            if not all(bool(torch.isfinite(s).all()) for s in sums2):
+                return finish("refused: non-finite values in the averaged phase-2 payload")
+            for g, p, qsum, qsent in zip(self.groups, p_hat, sums2, sent2):
+                q_mean = qsum / C
+                approx = torch.bmm(p, q_mean.transpose(1, 2))
+                own = torch.bmm(p, qsent.transpose(1, 2))
+                for b, i in enumerate(g.members):
+                    out[i] = approx[b].reshape(self.shapes[i])
+                    transmitted[i] = own[b].reshape(self.shapes[i])
+            self.q = [qsum / C for qsum in sums2]  # warm start: the shared averaged Q
+            if self.cfg.adaptive_rank:
+                result.next_rank = adaptive.choose_rank(
+                    stat_sum[:-1].tolist(), float(stat_sum[-1]), self.rank, self.cfg.energy_threshold,
+                    self.cfg.resolved_rank_min, self.cfg.resolved_rank_max)
+
+        self.error = [m - t for m, t in zip(M, transmitted)]
+        result.compression_rel_error = _norm(self.error) / max(_norm(M), 1e-30)
+        result.deltas = out
+        return finish()
+
+    def _check_headers(self, headers, mine, my_rank):
+        for c, h in enumerate(headers):
+            if h.numel() != len(HEADER_FIELDS):
+                raise PayloadError(f"cluster {c} sent a header of {h.numel()} values, expected {len(HEADER_FIELDS)}")
+            for k, name in enumerate(HEADER_FIELDS[:4]):
+                if h[k] != mine[k]:
+                    what = {"magic": "is not a DiLoCoX peer (bad magic)",
+                            "round": f"is at round {int(h[k])}, this cluster (#{my_rank}) at {int(mine[k])}",
+                            "layout": "has a different parameter layout or compression settings "
+                                      "(shapes, --dilocox-quant-bits/-block-size, --dilocox-lowrank*)",
+                            "rank": f"uses low-rank rank {int(h[k])}, this cluster (#{my_rank}) {int(mine[k])}"}[name]
+                    raise PayloadError(f"refused payload: cluster {c} {what}; nothing was applied")
+
+    def _reduce(self, pieces, raw, coll: Collective):
+        """Sum ``pieces`` (compressed) and ``raw`` (fp32 as is) over clusters.
+
+        Returns (sums, what this cluster transmitted after its own quantization, raw sums)."""
+        bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
+        flat = [p.reshape(-1).float() for p in pieces]
+        sizes = [f.numel() for f in flat] + [r.numel() for r in raw]
+        if bits == 32:
+            total = coll.all_reduce_sum(torch.cat(flat + [r.float() for r in raw]))
+            parts = list(torch.split(total, sizes))
+            sent = flat
+        else:
+            payload = torch.cat([quantize(f, bits, block) for f in flat] + [r.float().view(torch.uint8) for r in raw])
+            nbytes = [payload_bytes(n, bits, block) for n in sizes[:len(flat)]] + [4 * r.numel() for r in raw]
+            parts, sent = None, None
+            for c, buf in enumerate(coll.all_gather(payload)):
+                if buf.numel() != sum(nbytes):
+                    raise PayloadError(f"refused payload: cluster {c} sent {buf.numel()} bytes, expected {sum(nbytes)}")
+                chunks = torch.split(buf, nbytes)
+                decoded = [dequantize(ch, n, bits, block) for ch, n in zip(chunks[:len(flat)], sizes)]
+                decoded += [ch.contiguous().view(torch.float32) for ch in chunks[len(flat):]]
+                parts = decoded if parts is None else [a + b for a, b in zip(parts, decoded)]
+                if c == coll.rank:
+                    sent = decoded[:len(flat)]
+        sums = [s.view(p.shape) for s, p in zip(parts[:len(flat)], pieces)]
+        sent = [s.view(p.shape) for s, p in zip(sent, pieces)]
+        return sums, sent, parts[len(flat):]
+
+    # ---------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {"error": [e.clone() for e in self.error], "q": [q.clone() for q in self.q], "rank": self.rank}
+
+    def load_state_dict(self, state: dict):
+        if len(state["error"]) != len(self.error) or len(state["q"]) != len(self.q):
+            raise ValueError("DiLoCoX codec state does not match this model's parameter layout")
+        self.rank = int(state["rank"])
+        self.error = [e.to(self.device, torch.float32).clone() for e in state["error"]]
+        self.q = [q.to(self.device, torch.float32).clone() for q in state["q"]]
+
+
+def _norm(tensors) -> float:
+    return math.sqrt(sum(float((t.float() * t.float()).sum()) for t in tensors))

@@ -1,0 +1,84 @@
+"""Block-wise symmetric quantization of fp32 tensors into byte payloads.
+
+bits=4 and 8: each block of ``block`` values shares one fp32 scale (absmax / qmax); values round to the
+nearest integer in [-qmax, qmax]; int4 codes are packed two per byte. bits=16 is bf16, bits=32 is raw fp32.
+Payloads are flat uint8 tensors so that every piece of a round travels in one collective, and their size
+is the closed form ``payload_bytes`` (tests compare the two).
+
+Error bound for bits 4/8: |x - dequant(quant(x))| <= absmax(block) / (2 * qmax) per element.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCALE_BYTES = 4  # one fp32 scale per block
+
+
+def qmax(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def payload_bytes(numel: int, bits: int, block: int) -> int:
+    """Exact size in bytes of ``quantize(x)`` for a tensor of ``numel`` elements."""
+    if bits == 32:
+        return 4 * numel
+    if bits == 16:
+        return 2 * numel
+    data = math.ceil(numel * bits / 8)
+    return data + SCALE_BYTES * math.ceil(numel / block)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    """Encode ``x`` (any shape, any float dtype) as a flat uint8 payload of ``payload_bytes`` bytes."""
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    if bits == 32:
+        return _as_bytes(flat.clone())
+    if bits == 16:
+        return _as_bytes(flat.to(torch.bfloat16))
+    nblocks = math.ceil(n / block)
+    padded = torch.zeros(nblocks * block, dtype=torch.float32, device=flat.device)
+    padded[:n] = flat
+    blocks = padded.view(nblocks, block)
+    q = qmax(bits)
+    scale = blocks.abs().amax(dim=1) / q
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(blocks / safe[:, None]).clamp_(-q, q).to(torch.int16).view(-1)[:n]
+    if bits == 8:
+        data = codes.to(torch.int8).view(torch.uint8)
+    else:  # 4 bits: offset to [1, 15], two codes per byte (low nibble first)
+        nib = (codes + 8).to(torch.uint8)
+        if n % 2:
+            nib = torch.cat([nib, nib.new_zeros(1)])
+        data = nib[0::2] | (nib[1::2] << 4)
+    return torch.cat([data, _as_bytes(scale)])
+
+
+def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int) -> torch.Tensor:
+    """Decode a payload made by ``quantize`` into a flat fp32 tensor of ``numel`` elements."""
+    expected = payload_bytes(numel, bits, block)
+    if payload.numel() != expected:
+        raise ValueError(f"payload of {payload.numel()} bytes, expected {expected} for {numel} values at {bits} bits")
+    payload = payload.contiguous()
+    if bits == 32:
+        return payload.view(torch.float32).clone()
+    if bits == 16:
+        return payload.view(torch.bfloat16).float()
+    nblocks = math.ceil(numel / block)
+    data_len = expected - SCALE_BYTES * nblocks
+    data, scale = payload[:data_len], payload[data_len:].view(torch.float32)
+    if bits == 8:
+        codes = data.view(torch.int8).float()
+    else:
+        low = (data & 0x0F).to(torch.int16) - 8
+        high = (data >> 4).to(torch.int16) - 8
+        codes = torch.stack([low, high], dim=1).view(-1)[:numel].float()
+    padded = torch.zeros(nblocks * block, dtype=torch.float32, device=payload.device)
+    padded[:numel] = codes
+    return (padded.view(nblocks, block) * scale[:, None]).view(-1)[:numel]

@@ -1,0 +1,169 @@
+"""Every DiLoCoX knob in one dataclass.
+
+The Megatron flags (``--dilocox-*``) map one-to-one onto these fields; the core library (``outer/``,
+``compression/``, ``topology.py``) takes nothing else. ``validate()`` is called before any process group
+is made, so a bad value stops the run with a message that names the flag and what to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+OVERLAP_MODES = ("none", "one-step-delay")
+QUANT_BITS = (4, 8, 16, 32)
+OUTER_STATE_DEVICES = ("cpu", "param")
+SECRET_ENV = "DILOCOX_SECRET"
+
+
+class DiLoCoXConfigError(ValueError):
+    """A DiLoCoX setting is invalid; the message names the flag and the fix."""
+
+
+def _flag(name: str) -> str:
+    return "--dilocox-" + name.replace("_", "-")
+
+
+@dataclass
+class DiLoCoXConfig:
+    # Topology: which cluster this process belongs to, and where the clusters meet.
+    num_clusters: int = 1
+    cluster_id: int = 0
+    rendezvous: Optional[str] = None  # "HOST:PORT" of cluster 0's store; required when num_clusters > 1
+    secret: Optional[str] = field(default=None, repr=False)  # from $DILOCOX_SECRET when not given
+    timeout_seconds: float = 600.0
+
+    # Rounds: H inner steps per outer round, adapted within [h_min, h_max].
+    h: int = 50
+    h_min: Optional[int] = None  # default: h (H only rises above what the user asked for)
+    h_max: Optional[int] = None  # default: 4 * h
+    adaptive_h: bool = True
+    adaptive_h_margin: float = 0.1  # keep the transfer this much shorter than a round's compute
+    overlap: str = "one-step-delay"
+
+    # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    outer_state_device: str = "cpu"  # "cpu" (offloaded anchor/momentum) or "param" (beside the params)
+
+    # Compression: low-rank (PowerSGD-style) + block quantization, with error feedback.
+    lowrank: bool = True
+    lowrank_rank: int = 16
+    lowrank_rank_min: Optional[int] = None  # default: 1
+    lowrank_rank_max: Optional[int] = None  # default: lowrank_rank
+    lowrank_min_dim: int = 64  # matrices with min(rows, cols) below this are sent whole (quantized)
+    adaptive_rank: bool = True
+    energy_threshold: float = 0.9  # adaptive rank keeps at least this fraction of the energy
+    quant_bits: int = 4
+    quant_block_size: int = 128
+    seed: int = 1234  # shared by all clusters: warm-start Q and any other shared randomness
+
+    # Output.
+    metrics_file: Optional[str] = None
+
+    # ----------------------------------------------------------------------------------------------
+    def __post_init__(self):
+        if self.secret is None:
+            self.secret = os.environ.get(SECRET_ENV) or None
+
+    @property
+    def resolved_h_min(self) -> int:
+        return self.h if self.h_min is None else self.h_min
+
+    @property
+    def resolved_h_max(self) -> int:
+        return max(4 * self.h, self.resolved_h_min) if self.h_max is None else self.h_max
+
+    @property
+    def resolved_rank_min(self) -> int:
+        return 1 if self.lowrank_rank_min is None else self.lowrank_rank_min
+
+    @property
+    def resolved_rank_max(self) -> int:
+        return self.lowrank_rank if self.lowrank_rank_max is None else self.lowrank_rank_max
+
+    def validate(self) -> "DiLoCoXConfig":
+        """Raise DiLoCoXConfigError for the first invalid setting; return self when all are valid."""
+
+        def fail(name: str, msg: str):
+            raise DiLoCoXConfigError(f"{_flag(name)}: {msg}")
+
+        def need_int(name: str, lo: int):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                fail(name, f"must be an integer, got {v!r}")
+            if v < lo:
+                fail(name, f"must be >= {lo}, got {v}")
+
+        need_int("num_clusters", 1)
+        need_int("cluster_id", 0)
+        if self.cluster_id >= self.num_clusters:
+            fail("cluster_id", f"must be < --dilocox-num-clusters ({self.num_clusters}), got {self.cluster_id}")
+        if self.num_clusters > 1:
+            if not self.rendezvous:
+                fail("rendezvous", "is required with more than one cluster: give HOST:PORT of cluster 0")
+            host, sep, port = self.rendezvous.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                fail("rendezvous", f"must be HOST:PORT with a port in 1..65535, got {self.rendezvous!r}")
+            if not self.secret:
+                fail("secret", f"is required with more than one cluster: set ${SECRET_ENV} on every cluster")
+        if not (isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds > 0):
+            fail("timeout_seconds", f"must be a positive number of seconds, got {self.timeout_seconds!r}")
+
+        need_int("h", 1)
+        for name in ("h_min", "h_max"):
+            if getattr(self, name) is not None:
+                need_int(name, 1)
+        if not self.resolved_h_min <= self.h <= self.resolved_h_max:
+            fail("h", f"must lie within [--dilocox-h-min, --dilocox-h-max] = "
+                      f"[{self.resolved_h_min}, {self.resolved_h_max}], got {self.h}")
+        if not (0.0 <= self.adaptive_h_margin <= 10.0):
+            fail("adaptive_h_margin", f"must be in [0, 10], got {self.adaptive_h_margin}")
+        if self.overlap not in OVERLAP_MODES:
+            fail("overlap", f"must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
+
+        if not (isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            fail("outer_lr", f"must be a positive finite number, got {self.outer_lr!r}")
+        if not (0.0 <= self.outer_momentum < 1.0):
+            fail("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_state_device not in OUTER_STATE_DEVICES:
+            fail("outer_state_device", f"must be one of {', '.join(OUTER_STATE_DEVICES)}, "
+                                       f"got {self.outer_state_device!r}")
+
+        need_int("lowrank_rank", 1)
+        for name in ("lowrank_rank_min", "lowrank_rank_max"):
+            if getattr(self, name) is not None:
+                need_int(name, 1)
+        if not self.resolved_rank_min <= self.lowrank_rank <= self.resolved_rank_max:
+            fail("lowrank_rank", f"must lie within [--dilocox-lowrank-rank-min, --dilocox-lowrank-rank-max] = "
+                                 f"[{self.resolved_rank_min}, {self.resolved_rank_max}], got {self.lowrank_rank}")
+        need_int("lowrank_min_dim", 2)
+        if not (0.0 < self.energy_threshold <= 1.0):
+            fail("energy_threshold", f"must be in (0, 1], got {self.energy_threshold}")
+        if self.quant_bits not in QUANT_BITS:
+            fail("quant_bits", f"must be one of {', '.join(map(str, QUANT_BITS))} (32 = off), got {self.quant_bits!r}")
+        need_int("quant_block_size", 2)
+        if self.quant_bits == 4 and self.quant_block_size % 2:
+            fail("quant_block_size", f"must be even with 4-bit quantization, got {self.quant_block_size}")
+        need_int("seed", 0)
+        return self
+
+    @property
+    def compresses(self) -> bool:
+        return self.lowrank or self.quant_bits != 32
+
+    def public_dict(self) -> dict:
+        """Every knob except the secret: safe for logs, checkpoints and wandb config."""
+        d = dataclasses.asdict(self)
+        d.pop("secret")
+        return d
+
+    def agreement_dict(self) -> dict:
+        """The knobs every cluster must share (checked at rendezvous)."""
+        d = self.public_dict()
+        for local_only in ("cluster_id", "metrics_file", "rendezvous", "timeout_seconds"):
+            d.pop(local_only)
+        return d
