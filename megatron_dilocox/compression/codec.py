@@ -54,6 +54,7 @@ class ExchangeResult:
     next_rank: int = 0
     peer_comm_seconds: float = 0.0  # max over clusters of the previous round's transfer time
     peer_step_seconds: float = 0.0  # max over clusters of the mean inner-step time
+    comm_seconds: float = 0.0  # wall time of this exchange (set by the caller that timed it)
     local_ok: bool = True
 
 

@@ -1,0 +1,242 @@
+"""The DiLoCoX round, as a hook after each inner optimizer step (DESIGN §1).
+
+θ are the fp32 parameters this rank's inner optimizer owns (updated in place); φ the global model
+(anchor); e the error feedback inside the codec.
+
+    start():   θ ← φ ← broadcast(θ) from cluster 0
+    every H_t inner steps, boundary():
+        δ_t ← θ_start − θ
+        overlap=none:
+            Δ_t ← exchange(δ_t)                          (compress δ_t + e, average over clusters, update e)
+            φ ← Outer(φ, Δ_t);  θ ← φ
+        overlap=one-step-delay:
+            if round t−1 in flight: Δ_{t−1} ← wait();  φ ← Outer(φ, Δ_{t−1})
+            launch exchange(δ_t) in the background
+            θ ← φ − δ_t                                  (newest global model + my unsynced progress)
+        r, H_{t+1} ← adapt(values every cluster received in the same payload)
+
+The background exchange runs in one worker thread; the caller keeps training while it runs. Only that
+thread uses the inter-cluster group and the codec's state until ``wait()`` returns it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_dilocox.compression import adaptive
+from megatron_dilocox.compression.codec import ExchangeResult, PseudoGradientCodec
+from megatron_dilocox.compression.collective import Collective, SoloCollective
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.metrics import MetricsWriter
+from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
+from megatron_dilocox.outer.nesterov import OuterNesterov
+
+log = logging.getLogger("megatron_dilocox")
+
+
+class DivergedError(FloatingPointError):
+    """This cluster's own pseudo-gradient is NaN/Inf: its inner training diverged."""
+
+
+class DiLoCoXSync:
+    def __init__(self, params: Sequence[torch.Tensor], config: DiLoCoXConfig,
+                 group: Optional[Collective] = None, intra: Optional[IntraCluster] = None,
+                 metrics: Optional[MetricsWriter] = None):
+        self.cfg = config.validate()
+        self.params = list(params)
+        self.group = group or SoloCollective()
+        self.intra = intra or SingleRank()
+        self.metrics = metrics or MetricsWriter(config.metrics_file)
+        self.device = self.params[0].device
+        self.outer_device = torch.device("cpu") if config.outer_state_device == "cpu" else self.device
+        self.codec = PseudoGradientCodec([p.shape for p in self.params], config, device=self.device)
+        self.delayed = config.overlap == "one-step-delay"
+        self.h = config.h
+        self.round = 0  # rounds completed (launched) so far
+        self.steps_in_round = 0
+        self.iteration = 0
+        self.anchor: list[torch.Tensor] = []
+        self.round_start: list[torch.Tensor] = []
+        self.outer: Optional[OuterNesterov] = None
+        self.comm_seconds_prev = 0.0
+        self.step_seconds = 0.0  # EMA of the inner-step time (between hooks)
+        self._last_hook = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
+        self._in_flight: Optional[concurrent.futures.Future] = None
+        self._done: Optional[ExchangeResult] = None  # finished but not yet applied (after state_dict())
+
+    # ------------------------------------------------------------------------------------------ start
+    @torch.no_grad()
+    def start(self):
+        """Make θ the global model: cluster 0's parameters, everywhere."""
+        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        flat = self.group.broadcast(flat, src=0)
+        for p, v in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
+            p.copy_(v.view_as(p))
+        self.anchor = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
+        self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.outer_nesterov)
+        self.round_start = [a.clone() for a in self.anchor] if self.delayed else self.anchor
+        self._last_hook = time.perf_counter()
+        return self
+
+    # ------------------------------------------------------------------------------------------ hook
+    def after_inner_step(self) -> bool:
+        """Call after every inner optimizer step; returns True when θ was changed (a round boundary)."""
+        now = time.perf_counter()
+        if self._last_hook is not None:
+            dt = now - self._last_hook
+            self.step_seconds = dt if self.step_seconds == 0 else 0.8 * self.step_seconds + 0.2 * dt
+        self.iteration += 1
+        self.steps_in_round += 1
+        changed = False
+        if self.steps_in_round >= self.h:
+            self.boundary()
+            changed = True
+        self._last_hook = time.perf_counter()
+        return changed
+
+    @torch.no_grad()
+    def boundary(self):
+        delta = [s.to(p.device) - p.float() for s, p in zip(self.round_start, self.params)]  # δ_t
+        self.round += 1
+        self.steps_in_round = 0
+        if not self.delayed:
+            t0 = time.perf_counter()
+            result = self._exchange(delta, self.round)
+            self._apply(result, exposed=time.perf_counter() - t0)
+            self._set_params(self.anchor)  # θ ← φ
+        else:
+            if self._in_flight is not None or self._done is not None:
+                t0 = time.perf_counter()
+                result = self.wait()
+                self._apply(result, exposed=time.perf_counter() - t0)
+            self._in_flight = self._executor.submit(self._exchange, delta, self.round)
+            self._set_params([a.to(d.device) - d for a, d in zip(self.anchor, delta)])  # θ ← φ − δ_t
+            self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
+
+    def wait(self) -> ExchangeResult:
+        """The finished in-flight round (blocks until the transfer is done)."""
+        if self._done is None and self._in_flight is not None:
+            self._done = self._in_flight.result()
+            self._in_flight = None
+        result, self._done = self._done, None
+        return result
+
+    @torch.no_grad()
+    def finalize(self):
+        """End of training: finish and apply the in-flight round, then θ ← φ (all clusters agree)."""
+        if self._in_flight is not None or self._done is not None:
+            t0 = time.perf_counter()
+            result = self.wait()
+            self._apply(result, exposed=time.perf_counter() - t0, adapt=False)
+            self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])
+            self.round_start = [a.clone() for a in self.anchor] if self.delayed else self.anchor
+
+    def close(self):
+        if self._in_flight is not None:
+            self._in_flight.result()
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------------------------------ pieces
+    def _exchange(self, delta, round_idx) -> ExchangeResult:
+        t0 = time.perf_counter()
+        result = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev, self.step_seconds)
+        result.comm_seconds = time.perf_counter() - t0
+        return result
+
+    def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
+        self.comm_seconds_prev = result.comm_seconds
+        if not result.local_ok:
+            raise DivergedError(f"DiLoCoX round {result.round}: this cluster's pseudo-gradient has NaN/Inf "
+                                f"(inner training diverged); the global model was not changed")
+        if result.deltas is not None:
+            self.outer.step(result.deltas)  # φ ← Outer(φ, Δ)
+        else:
+            log.warning("DiLoCoX round %d %s; the global model was not changed", result.round, result.status)
+        h_used, rank_used = self.h, result.rank
+        if adapt:
+            self._adapt(result)
+        self._write_row(result, exposed, h_used, rank_used)
+
+    def _adapt(self, result: ExchangeResult):
+        """Same inputs on every cluster (from the payload), then max over this cluster's ranks."""
+        h = self.h
+        if self.cfg.adaptive_h:
+            h = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, self.h,
+                                  self.cfg.adaptive_h_margin, self.cfg.resolved_h_min, self.cfg.resolved_h_max)
+        h, rank = (int(v) for v in self.intra.reduce([h, result.next_rank], "max"))
+        self.h = h
+        self.codec.set_rank(rank, result.round)
+
+    def _set_params(self, values):
+        for p, v in zip(self.params, values):
+            p.copy_(v)
+
+    def model_hash(self) -> str:
+        h = hashlib.sha256()
+        for a in self.anchor:
+            h.update(a.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def _write_row(self, r: ExchangeResult, exposed: float, h_used: int, rank_used: int):
+        sums = self.intra.reduce([r.bytes_sent, r.bytes_received, r.bytes_dense_fp32, r.pseudo_grad_norm ** 2,
+                                  r.compression_rel_error ** 2 * r.pseudo_grad_norm ** 2], "sum")
+        maxes = self.intra.reduce([r.comm_seconds, exposed], "max")
+        hashes = self.intra.gather_str(self.model_hash())
+        row = {"round": r.round, "iteration": self.iteration, "cluster": self.cfg.cluster_id,
+               "num_clusters": r.num_clusters, "status": r.status, "H": h_used, "next_H": self.h,
+               "lowrank_rank": rank_used if self.codec.groups else 0,
+               "next_lowrank_rank": self.codec.rank if self.codec.groups else 0,
+               "quant_bits": self.cfg.quant_bits, "bytes_sent": int(sums[0]), "bytes_received": int(sums[1]),
+               "bytes_dense_fp32": int(sums[2]), "comm_seconds": maxes[0], "exposed_comm_seconds": maxes[1],
+               "compression_rel_error": r.compression_rel_error if len(hashes) == 1 else
+               (sums[4] / sums[3]) ** 0.5 if sums[3] > 0 else 0.0,
+               "pseudo_grad_norm": sums[3] ** 0.5,
+               "global_model_hash": hashes[0] if len(hashes) == 1 else
+               hashlib.sha256("".join(hashes).encode()).hexdigest()[:16]}
+        self.last_row = row
+        if self.intra.is_writer:
+            self.metrics.write(row)
+            log.info("DiLoCoX round %(round)d @ iter %(iteration)d: %(status)s, H=%(H)d r=%(lowrank_rank)d "
+                     "bits=%(quant_bits)d sent=%(bytes_sent)d B (dense fp32 %(bytes_dense_fp32)d B), "
+                     "comm %(comm_seconds).3fs exposed %(exposed_comm_seconds).3fs hash=%(global_model_hash)s", row)
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Everything needed to resume; an in-flight round is finished first and saved as its result."""
+        if self._in_flight is not None:
+            self._done = self._in_flight.result()
+            self._in_flight = None
+        done = self._done
+        return {
+            "config": self.cfg.agreement_dict(),
+            "round": self.round, "steps_in_round": self.steps_in_round, "iteration": self.iteration,
+            "h": self.h, "comm_seconds_prev": self.comm_seconds_prev, "step_seconds": self.step_seconds,
+            "anchor": [a.clone() for a in self.anchor],
+            "round_start": [s.clone() for s in self.round_start] if self.delayed else None,
+            "outer": self.outer.state_dict(),
+            "codec": self.codec.state_dict(),
+            "pending": None if done is None else dict(vars(done), deltas=done.deltas and [d.clone() for d in done.deltas]),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict):
+        mine = self.cfg.agreement_dict()
+        diff = sorted(k for k in set(mine) | set(state["config"]) if mine.get(k) != state["config"].get(k))
+        if diff:
+            raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}")
+        self.round, self.steps_in_round, self.iteration = state["round"], state["steps_in_round"], state["iteration"]
+        self.h, self.comm_seconds_prev, self.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
+        self.anchor = [a.to(self.outer_device, torch.float32).clone() for a in state["anchor"]]
+        self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.outer_nesterov)
+        self.outer.load_state_dict(state["outer"])
+        self.round_start = ([s.to(self.outer_device, torch.float32).clone() for s in state["round_start"]]
+                            if self.delayed else self.anchor)
+        self.codec.load_state_dict(state["codec"])
+        self._done = None if state["pending"] is None else ExchangeResult(**state["pending"])
+        self._last_hook = time.perf_counter()

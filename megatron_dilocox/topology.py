@@ -1,0 +1,122 @@
+"""The inter-cluster group: one gloo process group per local rank, outside every cluster's own world.
+
+Each cluster is its own torch.distributed world (its own torchrun / MASTER_ADDR); Megatron's groups
+never leave it. Between clusters, local rank k of every cluster joins a gloo group of size C (its
+rank = cluster id) built on a separate rendezvous store at ``--dilocox-rendezvous HOST:PORT``, which
+cluster 0's local rank 0 hosts. Keys are prefixed by local rank so the per-rank groups never mix.
+
+Joining is authenticated by challenge-response on the shared secret (HMAC-SHA256; the secret itself is
+never sent): cluster 0 posts a nonce, each peer answers with HMAC(secret, nonce, cluster, peer-nonce)
+and cluster 0 proves itself back. A peer with a wrong secret is refused with a clear error and cluster 0
+keeps waiting for the right one until the timeout. Then every cluster posts a fingerprint (settings,
+layout, versions) and all compare it with cluster 0's, naming any difference. Gloo traffic itself is
+not encrypted: run the inter-cluster link over a VPN (README, threat model).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+from megatron_dilocox.compression.collective import Collective
+from megatron_dilocox.config import DiLoCoXConfig
+
+
+class RendezvousError(RuntimeError):
+    """The clusters could not form the inter-cluster group (refused, mismatched, or timed out)."""
+
+
+def _mac(secret: str, *parts) -> str:
+    msg = "|".join(str(p) for p in parts).encode()
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def connect_store(cfg: DiLoCoXConfig, host_store: bool) -> TCPStore:
+    host, _, port = cfg.rendezvous.rpartition(":")
+    try:
+        return TCPStore(host, int(port), is_master=host_store, wait_for_workers=False,
+                        timeout=timedelta(seconds=cfg.timeout_seconds))
+    except Exception as exc:  # the store's own message says little about what to check
+        what = "host" if host_store else "reach"
+        raise RendezvousError(f"DiLoCoX rendezvous: cannot {what} the store at {cfg.rendezvous} "
+                              f"(cluster {cfg.cluster_id}): {exc}. Check --dilocox-rendezvous and that cluster 0 "
+                              f"is up and its port is open") from exc
+
+
+class InterClusterGroup(Collective):
+    """This rank's gloo group with the same local rank in every other cluster."""
+
+    def __init__(self, cfg: DiLoCoXConfig, local_rank: int, store: TCPStore, fingerprint: Optional[dict] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.rank, self.size = cfg.cluster_id, cfg.num_clusters
+        self.local_rank = local_rank
+        self.timeout = timedelta(seconds=cfg.timeout_seconds)
+        base = PrefixStore(f"dilocox/lr{local_rank}", store)
+        session = self._authenticate(base)
+        self._check_fingerprints(base, session, fingerprint or {})
+        self.pg = ProcessGroupGloo(PrefixStore(f"pg/{session}", base), self.rank, self.size, self.timeout)
+
+    # ----------------------------------------------------------------------------- rendezvous
+    def _authenticate(self, store) -> str:
+        secret, me, deadline = self.cfg.secret, self.rank, time.monotonic() + self.cfg.timeout_seconds
+        if me == 0:
+            session = secrets.token_hex(16)
+            store.set("challenge", session)
+            for peer in range(1, self.size):
+                while True:
+                    if time.monotonic() > deadline:
+                        raise RendezvousError(f"DiLoCoX rendezvous: cluster {peer} did not present a valid secret "
+                                              f"within {self.cfg.timeout_seconds:.0f}s (local rank {self.local_rank})")
+                    nonce, _, proof = store.get(f"auth/{peer}").decode().partition(":")
+                    if hmac.compare_digest(proof, _mac(secret, "peer", session, peer, nonce)):
+                        store.set(f"verdict/{peer}/{nonce}", "ok:" + _mac(secret, "host", session, peer, nonce))
+                        break
+                    store.set(f"verdict/{peer}/{nonce}", "refused")
+                    store.delete_key(f"auth/{peer}")
+            return session
+        session = store.get("challenge").decode()
+        nonce = secrets.token_hex(16)
+        store.set(f"auth/{me}", f"{nonce}:{_mac(secret, 'peer', session, me, nonce)}")
+        verdict = store.get(f"verdict/{me}/{nonce}").decode()
+        if verdict == "refused":
+            raise RendezvousError(f"DiLoCoX rendezvous refused by cluster 0: wrong secret from cluster {me} "
+                                  f"(set the same $DILOCOX_SECRET on every cluster)")
+        if not hmac.compare_digest(verdict.partition(":")[2], _mac(secret, "host", session, me, nonce)):
+            raise RendezvousError("DiLoCoX rendezvous: cluster 0 could not prove the shared secret; "
+                                  "the rendezvous address may not be your cluster 0, or the secrets differ")
+        return session
+
+    def _check_fingerprints(self, store, session: str, fingerprint: dict):
+        store.set(f"fingerprint/{session}/{self.rank}", json.dumps(fingerprint, sort_keys=True, default=str))
+        reference = json.loads(store.get(f"fingerprint/{session}/0"))
+        for peer in range(self.size):
+            theirs = json.loads(store.get(f"fingerprint/{session}/{peer}"))
+            diff = sorted(k for k in set(reference) | set(theirs) if reference.get(k) != theirs.get(k))
+            if diff:
+                detail = "; ".join(f"{k}: cluster 0 has {reference.get(k)!r}, cluster {peer} has {theirs.get(k)!r}"
+                                   for k in diff)
+                raise RendezvousError(f"DiLoCoX rendezvous: clusters disagree (local rank {self.local_rank}): {detail}")
+
+    # ----------------------------------------------------------------------------- collectives
+    def _all_gather(self, buf):
+        out = [torch.empty_like(buf) for _ in range(self.size)]
+        self.pg.allgather([out], [buf.contiguous()]).wait()
+        return out
+
+    def _all_reduce_sum(self, buf):
+        buf = buf.clone()
+        self.pg.allreduce([buf]).wait()
+        return buf
+
+    def _broadcast(self, buf, src):
+        buf = buf.clone()
+        self.pg.broadcast(buf, src).wait()
+        return buf
