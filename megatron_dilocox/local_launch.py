@@ -5,6 +5,7 @@ jobs would; the clusters only meet through the DiLoCoX rendezvous store. Used by
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -33,7 +34,9 @@ def _entry(fn, cluster_id, local_rank, ranks_per_cluster, master_port, args, que
             result = fn(cluster_id, local_rank, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((cluster_id, local_rank, "ok", result))
+        buf = io.BytesIO()  # plain bytes: tensors sent as shared memory die with this process
+        torch.save(result, buf)
+        queue.put((cluster_id, local_rank, "ok", buf.getvalue()))
     except BaseException as exc:  # report everything, including the traceback, to the parent
         queue.put((cluster_id, local_rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -76,7 +79,8 @@ def run_clusters(fn: Callable, num_clusters: int, ranks_per_cluster: int = 1, ar
                     break
                 continue
             if status == "ok":
-                results[(c, r)] = value
+                import torch
+                results[(c, r)] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"cluster {c} rank {r}: {value}")
                 # the others are likely blocked on the failed one: give them a short grace only

@@ -50,6 +50,18 @@ def connect_store(cfg: DiLoCoXConfig, host_store: bool) -> TCPStore:
                               f"is up and its port is open") from exc
 
 
+def _get(store, key: str, deadline: float, waiting_for: str) -> bytes:
+    """store.get bounded by the rendezvous deadline, with a message that says who did not show up."""
+    remaining = deadline - time.monotonic()
+    try:
+        if remaining <= 0:
+            raise TimeoutError
+        store.wait([key], timedelta(seconds=remaining))
+        return store.get(key)
+    except Exception as exc:
+        raise RendezvousError(f"DiLoCoX rendezvous: {waiting_for}") from exc
+
+
 class InterClusterGroup(Collective):
     """This rank's gloo group with the same local rank in every other cluster."""
 
@@ -67,25 +79,24 @@ class InterClusterGroup(Collective):
     # ----------------------------------------------------------------------------- rendezvous
     def _authenticate(self, store) -> str:
         secret, me, deadline = self.cfg.secret, self.rank, time.monotonic() + self.cfg.timeout_seconds
+        late = f"within {self.cfg.timeout_seconds:.0f}s (local rank {self.local_rank})"
         if me == 0:
             session = secrets.token_hex(16)
             store.set("challenge", session)
             for peer in range(1, self.size):
                 while True:
-                    if time.monotonic() > deadline:
-                        raise RendezvousError(f"DiLoCoX rendezvous: cluster {peer} did not present a valid secret "
-                                              f"within {self.cfg.timeout_seconds:.0f}s (local rank {self.local_rank})")
-                    nonce, _, proof = store.get(f"auth/{peer}").decode().partition(":")
+                    answer = _get(store, f"auth/{peer}", deadline, f"cluster {peer} did not present a valid secret {late}")
+                    nonce, _, proof = answer.decode().partition(":")
                     if hmac.compare_digest(proof, _mac(secret, "peer", session, peer, nonce)):
                         store.set(f"verdict/{peer}/{nonce}", "ok:" + _mac(secret, "host", session, peer, nonce))
                         break
                     store.set(f"verdict/{peer}/{nonce}", "refused")
                     store.delete_key(f"auth/{peer}")
             return session
-        session = store.get("challenge").decode()
+        session = _get(store, "challenge", deadline, f"cluster 0 did not open the rendezvous {late}").decode()
         nonce = secrets.token_hex(16)
         store.set(f"auth/{me}", f"{nonce}:{_mac(secret, 'peer', session, me, nonce)}")
-        verdict = store.get(f"verdict/{me}/{nonce}").decode()
+        verdict = _get(store, f"verdict/{me}/{nonce}", deadline, f"cluster 0 did not answer {late}").decode()
         if verdict == "refused":
             raise RendezvousError(f"DiLoCoX rendezvous refused by cluster 0: wrong secret from cluster {me} "
                                   f"(set the same $DILOCOX_SECRET on every cluster)")
@@ -95,10 +106,15 @@ class InterClusterGroup(Collective):
         return session
 
     def _check_fingerprints(self, store, session: str, fingerprint: dict):
+        deadline = time.monotonic() + self.cfg.timeout_seconds
         store.set(f"fingerprint/{session}/{self.rank}", json.dumps(fingerprint, sort_keys=True, default=str))
-        reference = json.loads(store.get(f"fingerprint/{session}/0"))
+
+        def posted(peer):
+            return json.loads(_get(store, f"fingerprint/{session}/{peer}", deadline,
+                                   f"cluster {peer} did not post its settings (local rank {self.local_rank})"))
+        reference = posted(0)
         for peer in range(self.size):
-            theirs = json.loads(store.get(f"fingerprint/{session}/{peer}"))
+            theirs = posted(peer)
             diff = sorted(k for k in set(reference) | set(theirs) if reference.get(k) != theirs.get(k))
             if diff:
                 detail = "; ".join(f"{k}: cluster 0 has {reference.get(k)!r}, cluster {peer} has {theirs.get(k)!r}"

@@ -27,7 +27,7 @@ import torch
 
 from megatron_dilocox.compression import adaptive, lowrank
 from megatron_dilocox.compression.collective import Collective, dense_allreduce_bytes
-from megatron_dilocox.compression.quantize import dequantize, payload_bytes, quantize
+from megatron_dilocox.compression.quantize import bytes_as, dequantize, payload_bytes, quantize
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 
 MAGIC = 0x44694C6F  # "DiLo"
@@ -138,7 +138,7 @@ class PseudoGradientCodec:
 
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
                                comm_seconds_prev, step_seconds, 0.0], dtype=torch.float64)
-        headers = [h.view(torch.float64) for h in coll.all_gather(header.view(torch.uint8))]
+        headers = [bytes_as(h, torch.float64) for h in coll.all_gather(header.view(torch.uint8))]
         self._check_headers(headers, header, coll.rank)
         result.peer_comm_seconds = max(float(h[5]) for h in headers)
         result.peer_step_seconds = max(float(h[6]) for h in headers)
@@ -224,7 +224,7 @@ class PseudoGradientCodec:
                     raise PayloadError(f"refused payload: cluster {c} sent {buf.numel()} bytes, expected {sum(nbytes)}")
                 chunks = torch.split(buf, nbytes)
                 decoded = [dequantize(ch, n, bits, block) for ch, n in zip(chunks[:len(flat)], sizes)]
-                decoded += [ch.contiguous().view(torch.float32) for ch in chunks[len(flat):]]
+                decoded += [bytes_as(ch, torch.float32) for ch in chunks[len(flat):]]
                 parts = decoded if parts is None else [a + b for a, b in zip(parts, decoded)]
                 if c == coll.rank:
                     sent = decoded[:len(flat)]

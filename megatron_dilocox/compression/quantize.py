@@ -34,6 +34,14 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
+def bytes_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret a uint8 slice as ``dtype``; copies only when the slice is not aligned for it."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if buf.storage_offset() % size or not buf.is_contiguous():
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
 def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     """Encode ``x`` (any shape, any float dtype) as a flat uint8 payload of ``payload_bytes`` bytes."""
     flat = x.detach().reshape(-1).float()
@@ -67,14 +75,14 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int) -> torc
         raise ValueError(f"payload of {payload.numel()} bytes, expected {expected} for {numel} values at {bits} bits")
     payload = payload.contiguous()
     if bits == 32:
-        return payload.view(torch.float32).clone()
+        return bytes_as(payload, torch.float32).clone()
     if bits == 16:
-        return payload.view(torch.bfloat16).float()
+        return bytes_as(payload, torch.bfloat16).float()
     nblocks = math.ceil(numel / block)
     data_len = expected - SCALE_BYTES * nblocks
-    data, scale = payload[:data_len], payload[data_len:].view(torch.float32)
+    data, scale = payload[:data_len], bytes_as(payload[data_len:], torch.float32)
     if bits == 8:
-        codes = data.view(torch.int8).float()
+        codes = bytes_as(data, torch.int8).float()
     else:
         low = (data & 0x0F).to(torch.int16) - 8
         high = (data >> 4).to(torch.int16) - 8

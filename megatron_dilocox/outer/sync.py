@@ -69,6 +69,8 @@ class DiLoCoXSync:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
         self._in_flight: Optional[concurrent.futures.Future] = None
         self._done: Optional[ExchangeResult] = None  # finished but not yet applied (after state_dict())
+        self.exchange_spans: list[tuple[float, float]] = []  # wall-clock (start, end) of each exchange
+        self.last_row: Optional[dict] = None
 
     # ------------------------------------------------------------------------------------------ start
     @torch.no_grad()
@@ -144,9 +146,10 @@ class DiLoCoXSync:
 
     # ------------------------------------------------------------------------------------------ pieces
     def _exchange(self, delta, round_idx) -> ExchangeResult:
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         result = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev, self.step_seconds)
         result.comm_seconds = time.perf_counter() - t0
+        self.exchange_spans.append((wall0, time.time()))
         return result
 
     def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):

@@ -1,0 +1,61 @@
+"""Every invalid DiLoCoX setting raises DiLoCoXConfigError with the documented message."""
+import pytest
+
+from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
+
+MULTI = dict(num_clusters=2, rendezvous="127.0.0.1:29400", secret="s")
+
+INVALID = [
+    (dict(num_clusters=0), "--dilocox-num-clusters: must be >= 1, got 0"),
+    (dict(num_clusters=2, cluster_id=2, rendezvous="h:1", secret="s"),
+     "--dilocox-cluster-id: must be < --dilocox-num-clusters (2), got 2"),
+    (dict(cluster_id=-1), "--dilocox-cluster-id: must be >= 0, got -1"),
+    (dict(num_clusters=2, secret="s"), "--dilocox-rendezvous: is required with more than one cluster"),
+    (dict(num_clusters=2, rendezvous="hostonly", secret="s"), "--dilocox-rendezvous: must be HOST:PORT"),
+    (dict(num_clusters=2, rendezvous="h:70000", secret="s"), "--dilocox-rendezvous: must be HOST:PORT"),
+    (dict(num_clusters=2, rendezvous="h:1"), "--dilocox-secret: is required with more than one cluster: set $DILOCOX_SECRET"),
+    (dict(timeout_seconds=0), "--dilocox-timeout-seconds: must be a positive number of seconds, got 0"),
+    (dict(h=0), "--dilocox-h: must be >= 1, got 0"),
+    (dict(h=2.5), "--dilocox-h: must be an integer, got 2.5"),
+    (dict(h=10, h_min=20), "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [20, 40], got 10"),
+    (dict(h=10, h_max=5), "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [10, 5], got 10"),
+    (dict(adaptive_h_margin=-0.1), "--dilocox-adaptive-h-margin: must be in [0, 10], got -0.1"),
+    (dict(overlap="eager"), "--dilocox-overlap: must be one of none, one-step-delay, got 'eager'"),
+    (dict(outer_lr=0), "--dilocox-outer-lr: must be a positive finite number, got 0"),
+    (dict(outer_lr=float("nan")), "--dilocox-outer-lr: must be a positive finite number, got nan"),
+    (dict(outer_momentum=1.0), "--dilocox-outer-momentum: must be in [0, 1), got 1.0"),
+    (dict(outer_state_device="gpu"), "--dilocox-outer-state-device: must be one of cpu, param, got 'gpu'"),
+    (dict(lowrank_rank=0, lowrank_rank_min=1), "--dilocox-lowrank-rank: must be >= 1, got 0"),
+    (dict(lowrank_rank=8, lowrank_rank_max=4), "--dilocox-lowrank-rank: must lie within"),
+    (dict(lowrank_rank=2, lowrank_rank_min=4), "--dilocox-lowrank-rank: must lie within"),
+    (dict(lowrank_min_dim=1), "--dilocox-lowrank-min-dim: must be >= 2, got 1"),
+    (dict(energy_threshold=0.0), "--dilocox-energy-threshold: must be in (0, 1], got 0.0"),
+    (dict(energy_threshold=1.5), "--dilocox-energy-threshold: must be in (0, 1], got 1.5"),
+    (dict(quant_bits=2), "--dilocox-quant-bits: must be one of 4, 8, 16, 32 (32 = off), got 2"),
+    (dict(quant_block_size=1), "--dilocox-quant-block-size: must be >= 2, got 1"),
+    (dict(quant_bits=4, quant_block_size=33), "--dilocox-quant-block-size: must be even with 4-bit quantization, got 33"),
+    (dict(seed=-3), "--dilocox-seed: must be >= 0, got -3"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", INVALID, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(INVALID)])
+def test_invalid_setting_raises_documented_message(kwargs, message, monkeypatch):
+    monkeypatch.delenv("DILOCOX_SECRET", raising=False)
+    with pytest.raises(DiLoCoXConfigError) as err:
+        DiLoCoXConfig(**kwargs).validate()
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_defaults_and_resolved_bounds():
+    cfg = DiLoCoXConfig().validate()
+    assert (cfg.resolved_h_min, cfg.h, cfg.resolved_h_max) == (50, 50, 200)
+    assert (cfg.resolved_rank_min, cfg.lowrank_rank, cfg.resolved_rank_max) == (1, 16, 16)
+    assert cfg.overlap == "one-step-delay" and cfg.quant_bits == 4
+
+
+def test_secret_comes_from_environment_and_never_leaves_public_views(monkeypatch):
+    monkeypatch.setenv("DILOCOX_SECRET", "hunter2")
+    cfg = DiLoCoXConfig(num_clusters=2, rendezvous="127.0.0.1:1").validate()
+    assert cfg.secret == "hunter2"
+    assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg.public_dict())
+    assert "secret" not in cfg.agreement_dict() and "cluster_id" not in cfg.agreement_dict()

@@ -1,0 +1,206 @@
+"""Real multi-process runs: separate processes, one gloo world per cluster, the inter-cluster group.
+
+Reference simulations run in the parent process from the same data (tests/workers.py: ``batch``).
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megatron_dilocox.compression.codec import HEADER_BYTES
+from megatron_dilocox.compression.quantize import payload_bytes
+from megatron_dilocox.local_launch import free_port, run_clusters
+from megatron_dilocox.metrics import ROUND_KEYS, read_rows
+from tests.workers import HIDDEN, IN, OUT, batch, loss_fn, make_model, rendezvous_worker, train_worker
+
+SECRET = "test-secret"
+
+
+def spec(C, **dilocox):
+    base = dict(num_clusters=C, rendezvous=f"127.0.0.1:{free_port()}", secret=SECRET, timeout_seconds=60,
+                adaptive_h=False)
+    base.update(dilocox)
+    return base
+
+
+def run(C, ranks=1, timeout=240, **kw):
+    return run_clusters(train_worker, C, ranks, args=(kw,), timeout=timeout)
+
+
+def assert_no_errors(res):
+    errors = {k: v["error"] for k, v in res.items() if v["error"]}
+    assert not errors, errors
+
+
+def test_two_clusters_two_ranks_delay_mode_compressed(tmp_path):
+    """Identical global model on every cluster after each applied round; bytes equal the closed form."""
+    C, rank, bits, block = 2, 4, 4, 32
+    res = run(C, ranks=2, steps=12, metrics_dir=str(tmp_path),
+              dilocox=spec(C, h=3, lowrank_rank=rank, lowrank_min_dim=8, quant_bits=bits, quant_block_size=block,
+                           adaptive_rank=False, outer_lr=0.7, outer_momentum=0.9))
+    assert_no_errors(res)
+    rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
+    assert [r["round"] for r in rows0] == [1, 2, 3, 4] and len(rows1) == 4  # 3 delayed + the final flush
+    for a, b in zip(rows0, rows1):
+        assert set(ROUND_KEYS) <= set(a) and a["status"] == "applied" and a["cluster"] == 0 and b["cluster"] == 1
+        assert a["global_model_hash"] == b["global_model_hash"]
+    assert len({r["global_model_hash"] for r in rows0}) == 4  # the model really moves every round
+    # anchors are bitwise equal per local rank, across clusters, after every applied round
+    for lr in range(2):
+        for a0, a1 in zip(res[(0, lr)]["anchors"], res[(1, lr)]["anchors"]):
+            assert all(torch.equal(x, y) for x, y in zip(a0, a1))
+        assert all(torch.equal(x, y) for x, y in zip(res[(0, lr)]["final_params"], res[(1, lr)]["final_params"]))
+    # bytes: per local rank (C-1) * (header + phase 1 + phase 2), summed over the cluster's 2 ranks
+    p1 = payload_bytes(HIDDEN * rank, bits, block) + payload_bytes(OUT * rank, bits, block) \
+        + payload_bytes(HIDDEN + OUT, bits, block)  # P of both matrices, then both biases whole
+    p2 = payload_bytes(IN * rank, bits, block) + payload_bytes(HIDDEN * rank, bits, block) + 4 * (rank + 1)
+    numel = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT
+    for r in rows0:
+        assert r["bytes_sent"] == r["bytes_received"] == 2 * (C - 1) * (HEADER_BYTES + p1 + p2)
+        assert r["bytes_dense_fp32"] == 2 * (2 * (C - 1) * 4 * numel // C)
+        assert 0 < r["compression_rel_error"] < 1 and r["pseudo_grad_norm"] > 0
+        assert (r["H"], r["lowrank_rank"], r["quant_bits"]) == (3, rank, bits)
+
+
+def test_three_clusters_no_overlap_replicas_identical_after_every_round():
+    C = 3
+    res = run(C, steps=8, dilocox=spec(C, h=2, overlap="none", lowrank_rank=4, lowrank_min_dim=8, quant_bits=8,
+                                        quant_block_size=64, adaptive_rank=True, lowrank_rank_max=8))
+    assert_no_errors(res)
+    for c in (1, 2):
+        for p0, pc in zip(res[(0, 0)]["params"], res[(c, 0)]["params"]):  # θ = φ after each round
+            assert all(torch.equal(x, y) for x, y in zip(p0, pc))
+        assert [r["global_model_hash"] for r in res[(0, 0)]["rows"]] == [r["global_model_hash"] for r in res[(c, 0)]["rows"]]
+    # adaptive rank moved identically on every cluster
+    assert [r["lowrank_rank"] for r in res[(0, 0)]["rows"]] == [r["lowrank_rank"] for r in res[(2, 0)]["rows"]]
+
+
+@pytest.mark.parametrize("C", [2, 3])
+def test_h1_uncompressed_outer_sgd_equals_synchronous_data_parallel_sgd(C):
+    steps, lr = 6, 0.05
+    res = run(C, steps=steps, inner="sgd", inner_lr=lr,
+              dilocox=spec(C, h=1, overlap="none", lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0))
+    assert_no_errors(res)
+    ref = make_model(0)  # cluster 0's initial model is broadcast to all
+    for step in range(steps):
+        grads = []
+        for c in range(C):
+            ref.zero_grad()
+            loss_fn(ref, *batch(c, 0, step)).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(ref.parameters()):
+                p -= lr * sum(g[i] for g in grads) / C
+        for c in range(C):
+            got = res[(c, 0)]["params"][step]
+            # float tolerance: the reference averages gradients, DiLoCo averages lr*grad differences
+            for p, q in zip(ref.parameters(), got):
+                assert torch.allclose(p, q, rtol=0, atol=1e-6), (step, c, float((p - q).abs().max()))
+
+
+def test_one_step_delay_matches_single_process_reference_round_by_round():
+    """2 clusters, Adam inner, Nesterov outer, no compression: the pseudo-code of DESIGN §1, replayed."""
+    C, H, steps, lr_out, mom = 2, 3, 12, 0.7, 0.9
+    res = run(C, steps=steps, inner="adam", inner_lr=0.01, finalize=False,
+              dilocox=spec(C, h=H, lowrank=False, quant_bits=32, outer_lr=lr_out, outer_momentum=mom))
+    assert_no_errors(res)
+    init = [p.detach().clone() for p in make_model(0).parameters()]
+    phi = [p.clone() for p in init]
+    buf = None
+    models = [make_model(0) for _ in range(C)]
+    for m in models:
+        with torch.no_grad():
+            for p, v in zip(m.parameters(), init):
+                p.copy_(v)
+    inners = [torch.optim.Adam(m.parameters(), lr=0.01) for m in models]
+    start = [[p.clone() for p in init] for _ in range(C)]
+    in_flight = None
+    step = 0
+    for rnd in range(steps // H):
+        for _ in range(H):
+            for c in range(C):
+                inners[c].zero_grad()
+                loss_fn(models[c], *batch(c, 0, step)).backward()
+                inners[c].step()
+            step += 1
+        deltas = [[s - p.detach() for s, p in zip(start[c], models[c].parameters())] for c in range(C)]
+        if in_flight is not None:
+            # Nesterov outer step on the average of the in-flight round
+            avg = [sum(d[i] for d in in_flight) / C for i in range(len(phi))]
+            buf = [a.clone() for a in avg] if buf is None else [b * mom + a for b, a in zip(buf, avg)]
+            phi = [f - lr_out * (a + mom * b) for f, a, b in zip(phi, avg, buf)]
+        in_flight = deltas
+        for c in range(C):
+            with torch.no_grad():
+                for p, f, d in zip(models[c].parameters(), phi, deltas[c]):
+                    p.copy_(f - d)
+            start[c] = [p.detach().clone() for p in models[c].parameters()]
+        for c in range(C):
+            got_anchor, got_params = res[(c, 0)]["anchors"][rnd], res[(c, 0)]["params"][rnd]
+            # tolerance: the reference sums in a different order (sum/C vs the codec's running fp32 sum)
+            for f, g in zip(phi, got_anchor):
+                assert torch.allclose(f, g, rtol=0, atol=2e-6), (rnd, c, float((f - g).abs().max()))
+            for p, g in zip(models[c].parameters(), got_params):
+                assert torch.allclose(p, g, rtol=0, atol=2e-6), (rnd, c, float((p - g).abs().max()))
+
+
+def test_background_transfer_overlaps_with_inner_steps():
+    """A slow link (0.3 s per all-gather, 3 per round = 0.9 s) hidden behind H=12 steps of 0.1 s."""
+    C = 2
+    res = run(C, steps=24, step_sleep=0.1, slow_gather=0.3, finalize=True,
+              dilocox=spec(C, h=12, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8, quant_block_size=64,
+                           adaptive_rank=False))
+    assert_no_errors(res)
+    out = res[(0, 0)]
+    start, end = out["exchange_spans"][0]
+    during = [t for t in out["step_times"] if start < t < end]
+    assert end - start >= 0.9  # header + 2 phases, each delayed 0.3 s
+    assert len(during) >= 6, len(during)  # the caller kept training: ~9 steps of 0.1 s fit in 0.9 s
+    first = out["rows"][0]
+    assert first["comm_seconds"] >= 0.9 and first["exposed_comm_seconds"] < 0.2 * first["comm_seconds"]
+
+
+def test_wrong_secret_is_refused_with_clear_error():
+    C = 2
+    s = dict(dilocox=spec(C, timeout_seconds=6), secrets=[SECRET, "not-the-secret"])
+    res = run_clusters(rendezvous_worker, C, 1, args=(s,), timeout=60)
+    assert res[(1, 0)].startswith("RendezvousError: DiLoCoX rendezvous refused by cluster 0: wrong secret from cluster 1")
+    assert res[(0, 0)].startswith("RendezvousError: DiLoCoX rendezvous: cluster 1 did not present a valid secret")
+    assert "not-the-secret" not in res[(0, 0)] + res[(1, 0)] and SECRET not in res[(0, 0)] + res[(1, 0)]
+
+
+def test_clusters_that_disagree_are_refused_naming_the_difference():
+    C = 2
+    s = dict(dilocox=spec(C), secrets=[SECRET] * 2,
+             fingerprints=[{"seed": 1234, "layout": "tp1pp2"}, {"seed": 99, "layout": "tp1pp2"}])
+    res = run_clusters(rendezvous_worker, C, 1, args=(s,), timeout=60)
+    for c in range(C):
+        assert res[(c, 0)] == ("RendezvousError: DiLoCoX rendezvous: clusters disagree (local rank 0): "
+                               "seed: cluster 0 has 1234, cluster 1 has 99")
+
+
+def test_payload_of_wrong_shape_is_refused_without_touching_the_model():
+    C = 2
+    res = run(C, steps=4, wrong_shape_on_cluster=1,
+              dilocox=spec(C, h=2, overlap="none", lowrank_rank=2, lowrank_min_dim=8, quant_bits=8))
+    for c in range(C):
+        out = res[(c, 0)]
+        assert out["error"].startswith("PayloadError: refused payload: cluster ")
+        assert "different parameter layout" in out["error"]
+        # the anchor is still the broadcast initial model: nothing was applied
+        assert all(torch.equal(a, s) for a, s in zip(out["final_anchor"], out["start_params"]))
+
+
+def test_non_finite_pseudo_gradient_is_refused_and_the_global_model_is_untouched():
+    C = 2
+    res = run(C, steps=4, nan_cluster=1, nan_at_step=2,
+              dilocox=spec(C, h=2, overlap="none", lowrank_rank=2, lowrank_min_dim=8, quant_bits=8))
+    bad, good = res[(1, 0)], res[(0, 0)]
+    assert bad["error"].startswith("DivergedError: DiLoCoX round 2: this cluster's pseudo-gradient has NaN/Inf")
+    assert good["error"] is None
+    assert [r["status"] for r in good["rows"]][:2] == ["applied", "refused: non-finite pseudo-gradient from cluster(s) [1]"]
+    # round 2 was refused: the anchor after it equals the anchor after round 1, and is finite
+    assert all(torch.equal(a, b) for a, b in zip(good["anchors"][0], good["anchors"][1]))
+    assert all(bool(torch.isfinite(a).all()) for a in good["final_anchor"])

@@ -1,0 +1,118 @@
+"""A small real training workload for the core tests, run in separate processes (one world per cluster).
+
+Each simulated cluster trains the same two-layer network on its own regression data; ``batch`` is a
+pure function of (cluster, local rank, step) so single-process references can replay exactly the same
+data. Every process returns plain tensors/dicts for the parent test to check.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.metrics import MetricsWriter
+from megatron_dilocox.outer.cluster import TorchDistCluster
+from megatron_dilocox.outer.sync import DiLoCoXSync
+from megatron_dilocox.topology import InterClusterGroup, connect_store
+
+IN, HIDDEN, OUT = 16, 32, 8
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+
+
+def batch(cluster: int, local_rank: int, step: int, size: int = 32):
+    g = torch.Generator().manual_seed(1_000_000 * cluster + 1000 * local_rank + step)
+    x = torch.randn(size, IN, generator=g)
+    w = torch.linspace(-1, 1, IN * OUT).view(IN, OUT) + 0.3 * cluster  # clusters see different tasks
+    return x, torch.tanh(x @ w)
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def make_inner(model, kind: str, lr: float):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr)
+    return torch.optim.Adam(model.parameters(), lr=lr)
+
+
+class SlowGroup(InterClusterGroup):
+    """The real gloo group with added latency per all-gather: stands in for a slow WAN link."""
+
+    delay = 0.0
+
+    def _all_gather(self, buf):
+        time.sleep(self.delay)
+        return super()._all_gather(buf)
+
+
+def train_worker(cluster: int, local_rank: int, spec: dict) -> dict:
+    """Run spec['steps'] inner steps with DiLoCoX; return per-round rows, anchors and losses."""
+    cfg = DiLoCoXConfig(cluster_id=cluster, **spec["dilocox"]).validate()
+    store = connect_store(cfg, host_store=(cluster == 0 and local_rank == 0))
+    group_cls = SlowGroup if spec.get("slow_gather") else InterClusterGroup
+    SlowGroup.delay = spec.get("slow_gather", 0.0)
+    fingerprint = dict(spec.get("fingerprint", {}), **spec.get("fingerprint_by_cluster", {}).get(str(cluster), {}))
+    group = group_cls(cfg, local_rank, store, fingerprint=fingerprint)
+    model = make_model(spec.get("init_seed", 0) + 17 * cluster + local_rank)  # cluster 0's init must win
+    if spec.get("wrong_shape_on_cluster") == cluster:
+        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN + 1), torch.nn.Tanh(), torch.nn.Linear(HIDDEN + 1, OUT))
+    inner = make_inner(model, spec.get("inner", "adam"), spec.get("inner_lr", 0.01))
+    metrics = MetricsWriter(spec.get("metrics_dir") and f"{spec['metrics_dir']}/metrics_c{cluster}.jsonl")
+    sync = DiLoCoXSync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics).start()
+    out = {"rows": [], "anchors": [], "params": [], "losses": [], "step_times": [], "error": None,
+           "start_params": [p.detach().clone() for p in model.parameters()]}
+    try:
+        for step in range(spec["steps"]):
+            if spec.get("nan_at_step") is not None and cluster == spec.get("nan_cluster") \
+                    and step == spec["nan_at_step"]:
+                with torch.no_grad():
+                    next(model.parameters())[0, 0] = float("nan")
+            x, y = batch(cluster, local_rank, step)
+            loss = loss_fn(model, x, y)
+            inner.zero_grad()
+            loss.backward()
+            inner.step()
+            if spec.get("step_sleep"):
+                time.sleep(spec["step_sleep"])
+            before = getattr(sync, "last_row", None)
+            if sync.after_inner_step():
+                out["anchors"].append([a.clone() for a in sync.anchor])
+                out["params"].append([p.detach().clone() for p in model.parameters()])
+            if getattr(sync, "last_row", None) is not before:
+                out["rows"].append(sync.last_row)
+            out["losses"].append(float(loss.detach()))
+            out["step_times"].append(time.time())
+        if spec.get("finalize", True):
+            before = getattr(sync, "last_row", None)
+            sync.finalize()
+            if sync.last_row is not before:
+                out["rows"].append(sync.last_row)
+        out["final_params"] = [p.detach().clone() for p in model.parameters()]
+        out["final_anchor"] = [a.clone() for a in sync.anchor]
+    except Exception as exc:  # the test asserts on the message; the model must be untouched by a refused round
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["final_anchor"] = [a.clone() for a in sync.anchor]
+    finally:
+        out["exchange_spans"] = getattr(sync, "exchange_spans", [])
+        sync.close()
+    return out
+
+
+def rendezvous_worker(cluster: int, local_rank: int, spec: dict) -> str:
+    """Only join the group; return 'joined' or the error message."""
+    cfg = DiLoCoXConfig(cluster_id=cluster, **spec["dilocox"])
+    cfg.secret = spec["secrets"][cluster]
+    cfg.validate()
+    try:
+        store = connect_store(cfg, host_store=(cluster == 0 and local_rank == 0))
+        fp = spec.get("fingerprints", [{}] * cfg.num_clusters)[cluster]
+        InterClusterGroup(cfg, local_rank, store, fingerprint=fp)
+        return "joined"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
