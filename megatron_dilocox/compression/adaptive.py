@@ -1,8 +1,9 @@
 """The two adaptation rules (DESIGN §3). Pure functions of values every cluster holds identically.
 
-Rank: from the cumulative energy the current rank captures (summed over clusters), grow when even the
-full rank keeps less than the threshold, shrink (at most by half per round, for stability) to the
-smallest rank that keeps it. H: make a round's compute at least as long as the transfer it must hide.
+Rank: from the cumulative energy the current rank captures (summed over clusters), grow (double) when
+even the full rank keeps less than the threshold τ; shrink (at most by half per round) to the smallest
+rank that keeps τ + (1 − τ)/2. The gap between the two levels is hysteresis: a rank that keeps just
+about τ is neither dropped nor re-grown the next round. H: make a round's compute at least as long as the transfer it must hide.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def choose_rank(cum_energy: Sequence[float], total_energy: float, rank: int, thr
     kept = [c / total_energy for c in cum_energy]
     if kept[-1] < threshold:
         return min(rank_max, max(rank_min, 2 * rank))
-    enough = next(k for k, frac in enumerate(kept, start=1) if frac >= threshold)
+    keep_on_shrink = threshold + 0.5 * (1.0 - threshold)
+    enough = next((k for k, frac in enumerate(kept, start=1) if frac >= keep_on_shrink), rank)
     return max(rank_min, enough, rank // 2)
 
 
