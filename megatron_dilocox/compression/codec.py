@@ -148,7 +148,10 @@ class PseudoGradientCodec:
 
         mats = [torch.stack([M[i].reshape(g.rows, g.cols) for i in g.members]) for g in self.groups]
         whole = torch.cat([M[i].reshape(-1) for i in self.whole]) if self.whole else None
-        pieces1 = [torch.bmm(m, q) for m, q in zip(mats, self.q)] + ([whole] if whole is not None else [])
+        # factors travel column by column ([B, r, n]): a column's entries share a scale (its singular
+        # value), so quantization blocks never mix a large column with a small one
+        pieces1 = [torch.bmm(m, q).transpose(1, 2) for m, q in zip(mats, self.q)]
+        pieces1 += [whole] if whole is not None else []
         sums1, sent1, _ = self._reduce(pieces1, [], coll)
         if not all(bool(torch.isfinite(s).all()) for s in sums1):
             return finish("refused: non-finite values in the averaged phase-1 payload")
@@ -165,12 +168,13 @@ class PseudoGradientCodec:
                 transmitted[i] = own_whole[offset:offset + n].view(self.shapes[i])
                 offset += n
         if G:
-            p_hat = [lowrank.orthonormalize(s / C) for s in sums1[:G]]
+            p_hat = [lowrank.orthonormalize(s.transpose(1, 2) / C) for s in sums1[:G]]
             q_local = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(mats, p_hat)]
             cum = sum(lowrank.cumulative_energy(q) for q in q_local)
             total = sum(float((m * m).sum()) for m in mats)
             stats = torch.cat([cum, torch.tensor([total])]).float()
-            sums2, sent2, (stat_sum,) = self._reduce(q_local, [stats], coll)
+            sums2, sent2, (stat_sum,) = self._reduce([q.transpose(1, 2) for q in q_local], [stats], coll)
+            sums2, sent2 = [s.transpose(1, 2) for s in sums2], [s.transpose(1, 2) for s in sent2]
             if not all(bool(torch.isfinite(s).all()) for s in sums2):
                 return finish("refused: non-finite values in the averaged phase-2 payload")
             for g, p, qsum, qsent in zip(self.groups, p_hat, sums2, sent2):

@@ -153,7 +153,9 @@ class DiLoCoXSync:
         return result
 
     def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
-        self.comm_seconds_prev = result.comm_seconds
+        # smoothed: one slow transfer (a peer arriving late, a busy host) should not swing H alone
+        self.comm_seconds_prev = (result.comm_seconds if self.comm_seconds_prev == 0
+                                  else 0.5 * self.comm_seconds_prev + 0.5 * result.comm_seconds)
         if not result.local_ok:
             raise DivergedError(f"DiLoCoX round {result.round}: this cluster's pseudo-gradient has NaN/Inf "
                                 f"(inner training diverged); the global model was not changed")
