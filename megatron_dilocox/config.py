@@ -26,43 +26,50 @@ def _flag(name: str) -> str:
     return "--dilocox-" + name.replace("_", "-")
 
 
+def knob(default, help: str, **kw):
+    """A config field with its flag help text (the --dilocox-* parser and the README table read it)."""
+    return field(default=default, metadata={"help": help}, **kw)
+
+
 @dataclass
 class DiLoCoXConfig:
     # Topology: which cluster this process belongs to, and where the clusters meet.
-    num_clusters: int = 1
-    cluster_id: int = 0
-    rendezvous: Optional[str] = None  # "HOST:PORT" of cluster 0's store; required when num_clusters > 1
-    secret: Optional[str] = field(default=None, repr=False)  # from $DILOCOX_SECRET when not given
-    timeout_seconds: float = 600.0
+    num_clusters: int = knob(1, "number of clusters training together")
+    cluster_id: int = knob(0, "this cluster's id, 0..num_clusters-1 (cluster 0 hosts the rendezvous)")
+    rendezvous: Optional[str] = knob(None, "HOST:PORT of the rendezvous store on cluster 0's first node")
+    secret: Optional[str] = knob(None, "shared secret; from $DILOCOX_SECRET, never a flag", repr=False)
+    timeout_seconds: float = knob(600.0, "rendezvous and inter-cluster collective timeout, seconds")
 
     # Rounds: H inner steps per outer round, adapted within [h_min, h_max].
-    h: int = 50
-    h_min: Optional[int] = None  # default: h (H only rises above what the user asked for)
-    h_max: Optional[int] = None  # default: 4 * h
-    adaptive_h: bool = True
-    adaptive_h_margin: float = 0.1  # keep the transfer this much shorter than a round's compute
-    overlap: str = "one-step-delay"
+    h: int = knob(50, "inner steps per outer round (initial H)")
+    h_min: Optional[int] = knob(None, "lower bound for adaptive H (default: --dilocox-h)")
+    h_max: Optional[int] = knob(None, "upper bound for adaptive H (default: 4 x --dilocox-h)")
+    adaptive_h: bool = knob(True, "raise H when the transfer takes longer than H inner steps")
+    adaptive_h_margin: float = knob(0.1, "adaptive H keeps the transfer this fraction shorter than a round")
+    overlap: str = knob("one-step-delay", "none (synchronous DiLoCo) or one-step-delay (transfer hidden "
+                                          "behind the next round, applied one round late)")
 
     # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True
-    outer_state_device: str = "cpu"  # "cpu" (offloaded anchor/momentum) or "param" (beside the params)
+    outer_lr: float = knob(0.7, "outer learning rate")
+    outer_momentum: float = knob(0.9, "outer momentum")
+    outer_nesterov: bool = knob(True, "Nesterov momentum for the outer step")
+    outer_state_device: str = knob("cpu", "where anchor, momentum and round start live: cpu or param "
+                                          "(beside the parameters)")
 
     # Compression: low-rank (PowerSGD-style) + block quantization, with error feedback.
-    lowrank: bool = True
-    lowrank_rank: int = 16
-    lowrank_rank_min: Optional[int] = None  # default: 1
-    lowrank_rank_max: Optional[int] = None  # default: lowrank_rank
-    lowrank_min_dim: int = 64  # matrices with min(rows, cols) below this are sent whole (quantized)
-    adaptive_rank: bool = True
-    energy_threshold: float = 0.9  # adaptive rank keeps at least this fraction of the energy
-    quant_bits: int = 4
-    quant_block_size: int = 128
-    seed: int = 1234  # shared by all clusters: warm-start Q and any other shared randomness
+    lowrank: bool = knob(True, "low-rank compression of matrices (with error feedback)")
+    lowrank_rank: int = knob(16, "initial low-rank rank")
+    lowrank_rank_min: Optional[int] = knob(None, "lower bound for adaptive rank (default: 1)")
+    lowrank_rank_max: Optional[int] = knob(None, "upper bound for adaptive rank (default: --dilocox-lowrank-rank)")
+    lowrank_min_dim: int = knob(64, "matrices with min(rows, cols) below this are sent whole (quantized)")
+    adaptive_rank: bool = knob(True, "adapt the rank to keep --dilocox-energy-threshold of the energy")
+    energy_threshold: float = knob(0.9, "fraction of the pseudo-gradient energy adaptive rank keeps")
+    quant_bits: int = knob(4, "bits per transmitted value: 4, 8, 16 (bf16) or 32 (no quantization)")
+    quant_block_size: int = knob(128, "values per quantization block (one fp32 scale each)")
+    seed: int = knob(1234, "seed shared by all clusters (warm-start Q)")
 
     # Output.
-    metrics_file: Optional[str] = None
+    metrics_file: Optional[str] = knob(None, "JSONL file for per-round metrics (one row per round per cluster)")
 
     # ----------------------------------------------------------------------------------------------
     def __post_init__(self):

@@ -113,13 +113,19 @@ class InterClusterGroup(Collective):
             return json.loads(_get(store, f"fingerprint/{session}/{peer}", deadline,
                                    f"cluster {peer} did not post its settings (local rank {self.local_rank})"))
         reference = posted(0)
+        problems = []
         for peer in range(self.size):
             theirs = posted(peer)
             diff = sorted(k for k in set(reference) | set(theirs) if reference.get(k) != theirs.get(k))
-            if diff:
-                detail = "; ".join(f"{k}: cluster 0 has {reference.get(k)!r}, cluster {peer} has {theirs.get(k)!r}"
-                                   for k in diff)
-                raise RendezvousError(f"DiLoCoX rendezvous: clusters disagree (local rank {self.local_rank}): {detail}")
+            problems += [f"{k}: cluster 0 has {reference.get(k)!r}, cluster {peer} has {theirs.get(k)!r}" for k in diff]
+        # cluster 0 hosts the store for local rank 0: it must not leave before every peer has read
+        store.add(f"fingerprint/{session}/read", 1)
+        if self.rank == 0:
+            while store.add(f"fingerprint/{session}/read", 0) < self.size and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if problems:
+            raise RendezvousError(f"DiLoCoX rendezvous: clusters disagree (local rank {self.local_rank}): "
+                                  + "; ".join(problems))
 
     # ----------------------------------------------------------------------------- collectives
     def _all_gather(self, buf):
