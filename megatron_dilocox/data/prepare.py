@@ -1,0 +1,308 @@
+"""Prepare a small real-English corpus (the King James Bible) for DiLoCoX runs, fully offline.
+
+Why this corpus: these machines reach only package registries, so Hub data sets cannot be downloaded; the
+KJV (public domain) ships as the Debian packages `bible-kjv` + `bible-kjv-text` and gives ~1M tokens.
+
+Layout of DIR. Every file is written atomically (temp file + os.replace) and every step is skipped when
+its outputs exist, are complete and came from the same inputs, so rerunning is cheap and safe:
+  kjv.jsonl                 1189 lines {"text", "ref"}, one document per chapter in canonical order.
+                            Verse numbers and chapter headings are stripped, verses joined by one space
+                            and whitespace collapsed, so sentencepiece decode(encode(text)) == text.
+  tokenizer.model, .vocab   sentencepiece BPE (default 4096 pieces) trained on the training chapters
+                            only; unk=0, bos=1, eos=2. Megatron's SentencePieceTokenizer reports eod = eos.
+  valid_text_document       held-out validation: every 20th chapter (chapter index i, i % 20 == 19).
+  train_all_text_document   all other (training) chapters: the AllReduce / single-world baseline.
+  train_c{k}_text_document  cluster k's shard, STRIDED by cluster id: the j-th training chapter goes to
+                            cluster j % C. Strided rather than contiguous so each cluster sees the same
+                            mix of books in near-equal amounts (contiguous shards would give cluster 0
+                            mostly Old Testament). Shards are disjoint; their union is train_all. Shards
+                            of an earlier, larger C are deleted.
+  manifest.json             counts, hashes and the chapter indices of every split.
+Each .bin/.idx pair is written by megatron-core's IndexedDatasetBuilder: one sequence per document,
+its sentencepiece ids followed by one EOD id, dtype uint16 -- what Megatron's tools/preprocess_data.py
+--append-eod writes. Token counts in the manifest include the EOD tokens.
+
+Train with: --tokenizer-type SentencePieceTokenizer --tokenizer-model DIR/tokenizer.model
+  --train-data-path DIR/train_c{k}_text_document --valid-data-path DIR/valid_text_document
+"""
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+N_CHAPTERS, N_VERSES = 1189, 31102
+VALID_EVERY = 20
+PACKAGES = ("bible-kjv", "bible-kjv-text")
+MANIFEST_VERSION = 1
+log = logging.getLogger("megatron_dilocox.data.prepare")
+
+
+class CorpusUnavailableError(RuntimeError):
+    """The `bible` program is missing and could not be installed here."""
+
+
+def ensure_bible() -> str:
+    """Path of the `bible` program, installing the Debian packages with apt-get if it is missing."""
+    path = shutil.which("bible")
+    if path:
+        return path
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
+    hint = f"install the Debian packages {', '.join(PACKAGES)} as root: {' '.join(cmd)}"
+    if shutil.which("apt-get") is None:
+        raise CorpusUnavailableError(f"`bible` not found and apt-get is unavailable; {hint}")
+    if os.geteuid() != 0:
+        raise CorpusUnavailableError(f"`bible` not found and this process is not root; {hint}")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    log.info("installing %s with apt-get", " ".join(PACKAGES))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:  # most often stale package lists: update once and retry
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    path = shutil.which("bible")
+    if r.returncode != 0 or not path:
+        raise CorpusUnavailableError(f"{' '.join(cmd)} failed (rc {r.returncode}): {r.stderr[-1500:]}")
+    return path
+
+
+_HEADING = re.compile(r"^(\S.*) (\d+)$")   # "1 Samuel 3"
+_VERSE = re.compile(r"^\s+(\d+) (.*)$")      # "  12 And the earth brought forth ..."
+
+
+def extract_chapters(bible: str) -> list:
+    """All 1189 chapters as {"text", "ref"}, verse references stripped; checks the verse numbering."""
+    out = subprocess.run([bible, "-l0", "Gen1:1-Rev22:21"], capture_output=True, text=True,
+                         check=True).stdout
+    chapters = []
+    for line in out.splitlines():
+        if not line.strip():
+            continue
+        if _HEADING.match(line):
+            chapters.append((line.strip(), []))
+        elif (m := _VERSE.match(line)) and chapters:
+            ref, verses = chapters[-1]
+            if int(m.group(1)) != len(verses) + 1:
+                raise ValueError(f"verse numbering broken at {ref}:{m.group(1)}")
+            verses.append(" ".join(m.group(2).split()))
+        else:
+            raise ValueError(f"unexpected line in `bible` output: {line!r}")
+    n_verses = sum(len(v) for _, v in chapters)
+    if (len(chapters), n_verses) != (N_CHAPTERS, N_VERSES):
+        raise ValueError(f"expected {N_CHAPTERS} chapters / {N_VERSES} verses, got {len(chapters)} / {n_verses}")
+    return [{"text": " ".join(v), "ref": ref} for ref, v in chapters]
+
+
+def split_chapters(n_docs: int, num_clusters: int, valid_every: int = VALID_EVERY) -> dict:
+    """Chapter indices per split: valid = every valid_every-th; cluster shards strided over the rest."""
+    valid = [i for i in range(n_docs) if i % valid_every == valid_every - 1]
+    train = [i for i in range(n_docs) if i % valid_every != valid_every - 1]
+    splits = {"valid": valid, "train_all": train}
+    for k in range(num_clusters):
+        splits[f"train_c{k}"] = train[k::num_clusters]
+    return splits
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_docs(path: str):
+    """The documents of kjv.jsonl, or None when the file is missing or incomplete."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            docs = [json.loads(line) for line in f]
+    except (OSError, ValueError):
+        return None
+    ok = len(docs) == N_CHAPTERS and all(isinstance(d, dict) and d.get("text") for d in docs)
+    return docs if ok else None
+
+
+def _train_tokenizer(out: str, texts: list, vocab_size: int) -> None:
+    """BPE on whole chapters. Written via model_writer with a fixed thread count so the model file is
+    byte-identical on every machine (clusters preparing data separately get the same tokenizer sha)."""
+    import io
+    import sentencepiece as spm
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        character_coverage=1.0, max_sentence_length=1 << 17,  # whole chapters (Psalm 119: ~25k chars)
+        num_threads=4, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
+    _atomic_write(os.path.join(out, "tokenizer.vocab"), vocab.encode("utf-8"))  # for humans only
+    _atomic_write(os.path.join(out, "tokenizer.model"), buf.getvalue())
+
+
+def _load_tokenizer(path: str, vocab_size: int):
+    """The sentencepiece model at path if it loads and has vocab_size pieces, else None."""
+    import sentencepiece as spm
+    try:
+        sp = spm.SentencePieceProcessor(model_file=path)
+    except (OSError, RuntimeError):  # missing or truncated
+        return None
+    return sp if sp.get_piece_size() == vocab_size else None
+
+
+def _dataset_ok(prefix: str, n_docs: int, n_tokens: int) -> bool:
+    """True when prefix.{bin,idx} exist and hold n_docs documents and n_tokens tokens in full."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
+        return False
+    try:
+        ds = IndexedDataset(prefix)
+        itemsize = np.dtype(ds.index.dtype).itemsize
+        return (len(ds.document_indices) - 1 == n_docs and int(ds.sequence_lengths.sum()) == n_tokens
+                and os.path.getsize(prefix + ".bin") == n_tokens * itemsize)
+    except Exception:  # a truncated or foreign .idx
+        return False
+
+
+def _build_dataset(prefix: str, docs_ids: list, eod: int, dtype) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    tmp = f"{prefix}.tmp{os.getpid()}"
+    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+    for ids in docs_ids:
+        builder.add_document(np.asarray(ids + [eod], dtype=dtype), [len(ids) + 1])
+    builder.finalize(tmp + ".idx")
+    os.replace(tmp + ".bin", prefix + ".bin")
+    os.replace(tmp + ".idx", prefix + ".idx")
+
+
+def prepare(out_dir: str, num_clusters: int = 2, vocab_size: int = 4096) -> dict:
+    """Build (or reuse) everything under out_dir; returns the manifest (also written to manifest.json)."""
+    if num_clusters < 1:
+        raise ValueError(f"num_clusters must be >= 1, got {num_clusters}")
+    if not 256 <= vocab_size <= 65500:  # uint16 token ids
+        raise ValueError(f"vocab_size must be in [256, 65500], got {vocab_size}")
+    out = os.path.abspath(out_dir)
+    os.makedirs(out, exist_ok=True)
+    old = _read_json(os.path.join(out, "manifest.json")) or {}
+    if old.get("version") != MANIFEST_VERSION:
+        old = {}
+
+    # a/b. text: one document per chapter
+    text_path = os.path.join(out, "kjv.jsonl")
+    docs = _read_docs(text_path)
+    if docs is None:
+        docs = extract_chapters(ensure_bible())
+        _atomic_write(text_path, "".join(json.dumps(d) + "\n" for d in docs).encode("utf-8"))
+        log.info("wrote %s (%d chapters)", text_path, len(docs))
+    else:
+        log.info("kept %s", text_path)
+    text_sha = _sha256(text_path)
+    texts = [d["text"] for d in docs]
+
+    # c. splits (pure function of the chapter count and C)
+    splits = split_chapters(len(docs), num_clusters)
+
+    # d. tokenizer on the training chapters only
+    tok_path = os.path.join(out, "tokenizer.model")
+    sp = _load_tokenizer(tok_path, vocab_size) if old.get("text_sha256", text_sha) == text_sha else None
+    if sp is None:
+        _train_tokenizer(out, [texts[i] for i in splits["train_all"]], vocab_size)
+        sp = _load_tokenizer(tok_path, vocab_size)
+        if sp is None:
+            raise ValueError(f"sentencepiece did not produce {vocab_size} pieces in {tok_path}")
+        log.info("trained %s (vocab %d)", tok_path, vocab_size)
+    else:
+        log.info("kept %s", tok_path)
+    tok_sha, eod = _sha256(tok_path), sp.eos_id()
+    if eod < 0:
+        raise ValueError(f"{tok_path} has no eos piece, so Megatron would have no eod id")
+
+    # e. Megatron indexed datasets; tokenize lazily, only when some split must be (re)built
+    from megatron.core.datasets.indexed_dataset import DType
+    dtype = DType.optimal_dtype(vocab_size)
+    ids = None
+    entries = {}
+    for name, chapters in splits.items():
+        prefix = os.path.join(out, f"{name}_text_document")
+        prev = old.get("splits", {}).get(name, {})
+        same = (old.get("tokenizer_sha256") == tok_sha and old.get("text_sha256") == text_sha
+                and prev.get("chapters") == chapters)
+        if same and _dataset_ok(prefix, len(chapters), prev.get("tokens", -1)):
+            tokens = prev["tokens"]
+            log.info("kept %s", prefix)
+        else:
+            if ids is None:
+                ids = sp.encode(texts, num_threads=min(16, os.cpu_count() or 1))
+            _build_dataset(prefix, [ids[i] for i in chapters], eod, dtype)
+            tokens = sum(len(ids[i]) + 1 for i in chapters)
+            log.info("wrote %s (%d documents, %d tokens)", prefix, len(chapters), tokens)
+        entries[name] = {"prefix": f"{name}_text_document", "documents": len(chapters),
+                         "tokens": tokens, "chapters": chapters}
+
+    for fname in os.listdir(out):  # shards of an earlier, larger --num-clusters
+        m = re.fullmatch(r"train_c(\d+)_text_document\.(bin|idx)", fname)
+        if m and int(m.group(1)) >= num_clusters:
+            os.remove(os.path.join(out, fname))
+
+    # f. manifest (rewritten only when its content changes)
+    manifest = {
+        "version": MANIFEST_VERSION, "source": "King James Bible (Debian bible-kjv-text), one document per chapter",
+        "documents": len(docs), "text_sha256": text_sha, "num_clusters": num_clusters,
+        "shard_mode": "strided", "valid_every": VALID_EVERY, "vocab_size": sp.get_piece_size(),
+        "eod_id": eod, "tokenizer_model": "tokenizer.model", "tokenizer_sha256": tok_sha,
+        "dtype": np.dtype(dtype).name, "tokens_include_eod": True, "splits": entries,
+    }
+    if manifest != old:
+        _atomic_write(os.path.join(out, "manifest.json"), (json.dumps(manifest, indent=1) + "\n").encode())
+    return manifest
+
+
+def summary(manifest: dict, out_dir: str, seconds: float) -> str:
+    """One line: documents and tokens per split."""
+    s = manifest["splits"]
+    shards = ", ".join(f"c{k} {s[f'train_c{k}']['documents']}/{s[f'train_c{k}']['tokens']}"
+                       for k in range(manifest["num_clusters"]))
+    return (f"prepare: {out_dir}: {manifest['documents']} chapters; docs/tokens train_all "
+            f"{s['train_all']['documents']}/{s['train_all']['tokens']}, valid {s['valid']['documents']}/"
+            f"{s['valid']['tokens']}, {shards}; vocab {manifest['vocab_size']}, eod {manifest['eod_id']}; "
+            f"{seconds:.1f}s")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--num-clusters", type=int, default=2, help="number of per-cluster training shards")
+    p.add_argument("--vocab-size", type=int, default=4096, help="sentencepiece BPE vocabulary size")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    log.setLevel(logging.INFO)
+    t0 = time.perf_counter()
+    try:
+        manifest = prepare(a.out, a.num_clusters, a.vocab_size)
+    except (CorpusUnavailableError, ValueError) as e:
+        print(f"prepare: error: {e}", file=sys.stderr)
+        return 1
+    print(summary(manifest, os.path.abspath(a.out), time.perf_counter() - t0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

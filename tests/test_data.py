@@ -1,0 +1,160 @@
+"""The KJV corpus preparation yields exactly what Megatron reads: counts, tokens, shards, tokenizer.
+
+The data are prepared once per test session into a fresh pytest tmp dir (no cache under data/), so a
+stale or hand-edited corpus can never make these pass; that costs ~5 s beyond the megatron import.
+Needs the `bible` program (installed by prepare() via apt-get when root); skipped where it cannot be had.
+"""
+import json
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_dilocox.data import prepare as prep
+
+GENESIS_1_1 = "In the beginning God created the heaven and the earth."
+VOCAB = 4096
+CLUSTERS = 3  # odd on purpose: shards of unequal size
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("kjv"))
+    try:
+        manifest = prep.prepare(out, num_clusters=CLUSTERS, vocab_size=VOCAB)
+    except prep.CorpusUnavailableError as e:
+        pytest.skip(f"KJV corpus unavailable here: {e}")
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(out, "tokenizer.model"))
+    with open(os.path.join(out, "kjv.jsonl"), encoding="utf-8") as f:
+        docs = [json.loads(line) for line in f]
+    ids = sp.encode([d["text"] for d in docs])
+    return dict(out=out, manifest=manifest, sp=sp, docs=docs, ids=ids)
+
+
+def _split_names():
+    return ["valid", "train_all"] + [f"train_c{k}" for k in range(CLUSTERS)]
+
+
+def test_documents_one_per_chapter(corpus):
+    docs, m = corpus["docs"], corpus["manifest"]
+    assert len(docs) == m["documents"] == 1189
+    assert (docs[0]["ref"], docs[-1]["ref"]) == ("Genesis 1", "Revelation 22")
+    assert docs[0]["text"].startswith(GENESIS_1_1 + " And the earth was without form")
+    assert docs[-1]["text"].endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
+    # verse numbers and headings are gone: the KJV text itself has no digits, and no double spaces
+    assert not any(re.search(r"\d|  |^\s|\s$", d["text"]) for d in docs)
+    s = m["splits"]
+    assert s["valid"]["documents"] + s["train_all"]["documents"] == 1189
+    assert (s["valid"]["documents"], s["train_all"]["documents"]) == (59, 1130)
+    assert sum(s[f"train_c{k}"]["documents"] for k in range(CLUSTERS)) == 1130
+
+
+def test_splits_disjoint_and_strided(corpus):
+    s = corpus["manifest"]["splits"]
+    valid, train = set(s["valid"]["chapters"]), set(s["train_all"]["chapters"])
+    assert valid == {i for i in range(1189) if i % 20 == 19}
+    assert not valid & train and valid | train == set(range(1189))
+    shards = [s[f"train_c{k}"]["chapters"] for k in range(CLUSTERS)]
+    for a in range(CLUSTERS):
+        for b in range(a + 1, CLUSTERS):
+            assert not set(shards[a]) & set(shards[b])
+    assert set().union(*shards) == train
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    assert shards[1] == s["train_all"]["chapters"][1::CLUSTERS]
+
+
+def test_indexed_datasets_hold_sentencepiece_ids_plus_eod(corpus):
+    """Each split read back with megatron-core's IndexedDataset equals encode(chapter) + [eod], in order."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    m, ids = corpus["manifest"], corpus["ids"]
+    eod = corpus["sp"].eos_id()
+    assert m["eod_id"] == eod == 2
+    for name in _split_names():
+        entry = m["splits"][name]
+        ds = IndexedDataset(os.path.join(corpus["out"], entry["prefix"]))
+        assert ds.index.dtype == np.uint16
+        assert len(ds) == len(ds.document_indices) - 1 == entry["documents"]
+        expected_tokens = sum(len(ids[c]) + 1 for c in entry["chapters"])
+        assert int(ds.sequence_lengths.sum()) == entry["tokens"] == expected_tokens
+        for j, c in enumerate(entry["chapters"]):
+            assert ds[j].tolist() == ids[c] + [eod], (name, j)
+    s = m["splits"]
+    assert sum(s[f"train_c{k}"]["tokens"] for k in range(CLUSTERS)) == s["train_all"]["tokens"]
+    assert 900_000 < s["train_all"]["tokens"] < 1_000_000  # ~1M tokens at a 4k vocabulary
+
+
+def test_tokenizer_round_trips(corpus):
+    sp = corpus["sp"]
+    assert sp.get_piece_size() == corpus["manifest"]["vocab_size"] == VOCAB
+    ids = sp.encode(GENESIS_1_1)
+    assert sp.decode(ids) == GENESIS_1_1
+    assert sp.encode(GENESIS_1_1, out_type=str)[:4] == ["▁In", "▁the", "▁beginning", "▁God"]
+    for doc, doc_ids in zip(corpus["docs"], corpus["ids"]):
+        assert sp.decode(doc_ids) == doc["text"], doc["ref"]
+
+
+def test_megatron_reads_it_with_the_documented_flags(corpus, monkeypatch, tmp_path):
+    """Megatron's own argument parser, tokenizer builder and GPT dataset builder accept the output."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training.arguments import parse_args
+    from megatron.training.utils import get_blend_and_blend_per_split
+    d, m, sp = corpus["out"], corpus["manifest"], corpus["sp"]
+    flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", f"{d}/tokenizer.model",
+             "--train-data-path", f"{d}/train_c1_text_document",
+             "--valid-data-path", f"{d}/valid_text_document"]
+    monkeypatch.setattr(sys, "argv", ["pretrain"] + flags)
+    args = parse_args()
+    tok = build_tokenizer(args)
+    assert type(tok._tokenizer).__name__ == "SentencePieceTokenizer"
+    assert (tok.vocab_size, tok.eod, args.padded_vocab_size) == (VOCAB, m["eod_id"], VOCAB)
+    assert tok.tokenize(GENESIS_1_1) == sp.encode(GENESIS_1_1)
+    assert tok.detokenize(sp.encode(GENESIS_1_1)) == GENESIS_1_1
+
+    blend, per_split = get_blend_and_blend_per_split(args)
+    assert blend is None and per_split[2] is None
+    cfg = GPTDatasetConfig(random_seed=1, sequence_length=256, blend=blend, blend_per_split=per_split,
+                           tokenizer=tok, reset_position_ids=False, reset_attention_mask=False,
+                           eod_mask_loss=False, path_to_cache=str(tmp_path))
+    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [10, 10, 0], lambda: True, cfg).build()
+    assert test is None
+    assert len(train) == (m["splits"]["train_c1"]["tokens"] - 1) // 256
+    assert len(valid) == (m["splits"]["valid"]["tokens"] - 1) // 256
+    sample = train[0]
+    assert sample["tokens"].shape == (256,) and int(sample["tokens"].max()) < VOCAB
+    assert (sample["labels"][:-1] == sample["tokens"][1:]).all()
+
+
+def test_rerun_is_a_no_op(corpus):
+    out = corpus["out"]
+    before = {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)}
+    assert prep.prepare(out, num_clusters=CLUSTERS, vocab_size=VOCAB) == corpus["manifest"]
+    assert {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)} == before
+    assert not any(".tmp" in f for f in before)
+
+
+def test_split_chapters_is_strided_and_deterministic():
+    s = prep.split_chapters(1189, 2)
+    assert s == prep.split_chapters(1189, 2)
+    assert s["train_c0"][:4] == [0, 2, 4, 6] and s["train_c1"][:4] == [1, 3, 5, 7]
+    assert s["valid"][:3] == [19, 39, 59] and 19 not in s["train_all"] and 20 in s["train_c1"]
+
+
+@pytest.mark.parametrize("root,apt,expect", [
+    (False, True, "not root"), (True, False, "apt-get is unavailable")])
+def test_missing_bible_says_what_to_install(monkeypatch, root, apt, expect):
+    monkeypatch.setattr(prep.shutil, "which", lambda name: "/usr/bin/apt-get" if apt and name == "apt-get" else None)
+    monkeypatch.setattr(prep.os, "geteuid", lambda: 0 if root else 1000)
+    with pytest.raises(prep.CorpusUnavailableError) as e:
+        prep.ensure_bible()
+    assert expect in str(e.value)
+    assert "apt-get install -y --no-install-recommends bible-kjv bible-kjv-text" in str(e.value)
+
+
+def test_cli_rejects_bad_arguments(tmp_path, capsys):
+    assert prep.main(["--out", str(tmp_path), "--num-clusters", "0"]) == 1
+    assert "num_clusters must be >= 1" in capsys.readouterr().err
