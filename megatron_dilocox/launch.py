@@ -58,8 +58,11 @@ def _pump(stream, prefix: str, log: ClusterLog, echo: bool, filter_re):
 
 def run(clusters: int, nproc: int, megatron_args: list[str], dilocox_args: list[str] | None = None,
         env: dict | None = None, timeout: float = 3600, echo: bool = True, echo_filter: str | None = None,
-        module: str = "megatron_dilocox.pretrain_gpt") -> tuple[list[int], list[ClusterLog]]:
-    """Start every cluster, wait for all; return (exit codes, parsed logs)."""
+        module: str = "megatron_dilocox.pretrain_gpt", per_cluster_args: dict | None = None,
+        nproc_by_cluster: dict | None = None) -> tuple[list[int], list[ClusterLog]]:
+    """Start every cluster, wait for all; return (exit codes, parsed logs).
+
+    ``per_cluster_args``: {cluster: extra flags} (tests use it to make clusters disagree)."""
     rendezvous = f"127.0.0.1:{free_port()}"
     base_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     base_env.setdefault("DILOCOX_SECRET", secrets.token_hex(16))  # same for every cluster of this run
@@ -67,9 +70,10 @@ def run(clusters: int, nproc: int, megatron_args: list[str], dilocox_args: list[
     procs, logs, threads = [], [], []
     filter_re = re.compile(echo_filter) if echo_filter else None
     for c in range(clusters):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        n = (nproc_by_cluster or {}).get(c, nproc)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module]
-        cmd += [a.replace("{cluster}", str(c)) for a in megatron_args]
+        cmd += [a.replace("{cluster}", str(c)) for a in megatron_args] + list((per_cluster_args or {}).get(c, []))
         if dilocox_args is not None:
             cmd += ["--dilocox", "--dilocox-num-clusters", str(clusters), "--dilocox-cluster-id", str(c),
                     "--dilocox-rendezvous", rendezvous] + [a.replace("{cluster}", str(c)) for a in dilocox_args]

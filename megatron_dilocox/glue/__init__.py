@@ -1,0 +1,1 @@
+"""Glue between DiLoCoX and Megatron-LM (the only package here that imports ``megatron``)."""

@@ -1,0 +1,71 @@
+"""Which fp32 main parameters a rank's Megatron optimizer owns, as tensors the codec can compress.
+
+Low-rank compression needs matrices, but the distributed optimizer gives each rank a *flat* slice
+[start, end) of each parameter. We compress per parameter view: a slice of a 2-D weight [rows, cols]
+is split into the rows it covers completely (a matrix view [k, cols], low-rank compressed when large
+enough) and at most two partial rows (1-D views, sent whole, quantized). Views share storage with the
+main parameters, so the outer step writes straight into what the optimizer steps.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+def row_aligned_views(flat: torch.Tensor, shape: torch.Size, start: int, end: int) -> list[torch.Tensor]:
+    """Views of ``flat`` (the elements [start, end) of a parameter of ``shape``) as full rows + partial rows."""
+    assert flat.dim() == 1 and flat.numel() == end - start
+    if len(shape) < 2:
+        return [flat]
+    cols = shape.numel() // shape[0]
+    first_full = -(-start // cols) * cols  # first row boundary at or after start
+    last_full = (end // cols) * cols
+    if first_full >= last_full:  # no complete row in the slice
+        return [flat]
+    views = []
+    if first_full > start:
+        views.append(flat[:first_full - start])
+    views.append(flat[first_full - start:last_full - start].view(-1, cols))
+    if last_full < end:
+        views.append(flat[last_full - start:])
+    return views
+
+
+def leaf_optimizers(optimizer) -> list:
+    """The MegatronOptimizers inside a (possibly chained) optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _owned_pairs(leaf) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """(main param, model param, start, end) for every parameter slice this rank's leaf optimizer steps."""
+    if hasattr(leaf, "shard_fp32_from_float16_groups"):  # DistributedOptimizer: flat shards
+        for model_groups, shard_groups in ((leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups),
+                                           (leaf.model_fp32_groups, leaf.shard_fp32_groups)):
+            for model_group, shard_group in zip(model_groups, shard_groups):
+                for model_param, shard in zip(model_group, shard_group):
+                    rng = leaf._get_model_param_range_map(model_param)["param"]
+                    yield shard, model_param, rng.start, rng.end
+    elif hasattr(leaf, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+        for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+            for model_param, main in zip(model_group, main_group):
+                yield main, model_param, 0, model_param.numel()
+        for group in leaf.fp32_from_fp32_groups:
+            for p in group:
+                yield p, p, 0, p.numel()
+    else:  # FP32Optimizer: the model params are the main params
+        for group in leaf.optimizer.param_groups:
+            for p in group["params"]:
+                yield p, p, 0, p.numel()
+
+
+def main_param_views(optimizer) -> list[torch.Tensor]:
+    """Every tensor DiLoCoX syncs on this rank, in a deterministic order (same layout -> same list)."""
+    views = []
+    for leaf in leaf_optimizers(optimizer):
+        if getattr(leaf, "is_stub_optimizer", False):
+            continue
+        for main, model_param, start, end in _owned_pairs(leaf):
+            flat = main.data.view(-1)
+            views += row_aligned_views(flat, model_param.shape, start, end)
+    return views

@@ -1,0 +1,199 @@
+"""The seam into Megatron: DiLoCoX wraps whatever optimizer ``get_megatron_optimizer`` builds.
+
+``install(cfg)`` patches ``megatron.training.training.get_megatron_optimizer`` so that the optimizer the
+training loop receives is a ``DiLoCoXOptimizer``: ``step()`` runs Megatron's own step (inner) and, after
+each successful one, the DiLoCoX hook on the fp32 main params this rank owns (``param_views``). When the
+hook changed them (a round boundary) the model params are refreshed from the main params, and under the
+distributed optimizer the param all-gather runs again (with ``--overlap-param-gather`` the next forward's
+gather picks the new values up by itself). Everything else is delegated to the inner optimizer.
+
+Ownership: with the distributed optimizer each DP rank syncs its own shards. Without it every DP rank
+holds the full replica, so parameter views are dealt round-robin over the DP ranks (each syncs 1/DP of
+them over the slow link) and broadcast inside the DP group after each round.
+
+Checkpoints: the DiLoCoX state rides inside the optimizer's state dict under ``"dilocox"`` (one object
+per rank in ``torch_dist`` checkpoints, a plain entry in ``torch`` ones).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+import torch
+
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.glue.param_views import leaf_optimizers, main_param_views
+from megatron_dilocox.metrics import MetricsWriter
+from megatron_dilocox.outer.cluster import TorchDistCluster
+from megatron_dilocox.outer.sync import DiLoCoXSync
+from megatron_dilocox.topology import InterClusterGroup, connect_store
+
+log = logging.getLogger("megatron_dilocox")
+STATE_KEY = "dilocox"
+
+
+def fingerprint(cfg: DiLoCoXConfig, args, views) -> dict:
+    """What every cluster must share, compared at rendezvous (differences are named)."""
+    import megatron.core
+
+    import megatron_dilocox
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "context_parallel_size", "expert_model_parallel_size", "data_parallel_size",
+            "use_distributed_optimizer", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+            "seq_length", "padded_vocab_size", "seed", "params_dtype", "optimizer")
+    fp = {k: str(getattr(args, k, None)) for k in keys}
+    fp.update(dilocox=cfg.agreement_dict(), megatron_core=megatron.core.__version__,
+              megatron_dilocox=megatron_dilocox.__version__, shapes=[list(v.shape) for v in views])
+    return fp
+
+
+class DiLoCoXOptimizer:
+    """Megatron optimizer wrapper: inner step, then the DiLoCoX round hook (see module docstring)."""
+
+    def __init__(self, inner, cfg: DiLoCoXConfig, args):
+        from megatron.core import mpu
+        self.inner = inner
+        self.cfg = cfg
+        self.train_iters = getattr(args, "train_iters", None)
+        self.leaves = leaf_optimizers(inner)
+        views = main_param_views(inner)
+        self._dp_owner: Optional[list[int]] = None
+        if not getattr(args, "use_distributed_optimizer", False) and mpu.get_data_parallel_world_size() > 1:
+            dp, me = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+            self._dp_owner = [i % dp for i in range(len(views))]
+            self._all_views = views
+            views = [v for v, owner in zip(views, self._dp_owner) if owner == me]
+        rank = torch.distributed.get_rank()
+        store = connect_store(cfg, host_store=(cfg.cluster_id == 0 and rank == 0)) if cfg.num_clusters > 1 else None
+        group = InterClusterGroup(cfg, rank, store, fingerprint(cfg, args, views)) if store is not None else None
+        intra = TorchDistCluster()
+        metrics = MetricsWriter(cfg.metrics_file if intra.is_writer else None)
+        self.sync = DiLoCoXSync(views, cfg, group, intra, metrics)
+        with torch.no_grad():
+            self.sync.start()  # every cluster starts from cluster 0's model
+            self._refresh_model_params()
+        log.info("DiLoCoX on: cluster %d of %d, %d tensors (%d low-rank groups) on this rank, H=%d, overlap=%s",
+                 cfg.cluster_id, cfg.num_clusters, len(views), len(self.sync.codec.groups), cfg.h, cfg.overlap)
+
+    # ------------------------------------------------------------------------------------ training
+    def step(self):
+        success, grad_norm, num_zeros = self.inner.step()
+        row = self.sync.last_row
+        if success and self.sync.after_inner_step():
+            with torch.no_grad():
+                self._refresh_model_params()
+        if success and self.sync.iteration == self.train_iters:
+            self.finalize()  # before Megatron's final evaluation and checkpoint
+        if self.sync.last_row is not row:
+            log_row_to_megatron_writers(self.sync.last_row)
+        return success, grad_norm, num_zeros
+
+    def _refresh_model_params(self):
+        if self._dp_owner is not None:
+            from megatron.core import mpu
+            group = mpu.get_data_parallel_group()
+            for view, owner in zip(self._all_views, self._dp_owner):
+                torch.distributed.broadcast(view, torch.distributed.get_global_rank(group, owner), group=group)
+        for leaf in self.leaves:
+            if getattr(leaf, "is_stub_optimizer", False):
+                continue
+            if hasattr(leaf, "_copy_main_params_to_model_params") and hasattr(leaf, "fp32_from_float16_groups") \
+                    or hasattr(leaf, "shard_fp32_from_float16_groups"):
+                leaf._copy_main_params_to_model_params()
+            if hasattr(leaf, "shard_fp32_from_float16_groups") and not leaf.ddp_config.overlap_param_gather:
+                for chunk in leaf.model_chunks:
+                    chunk.start_param_sync(force_sync=True)
+
+    def finalize(self):
+        """End of training: apply the in-flight round so every cluster holds the same global model.
+
+        Progress since the last round boundary is not synced: make --train-iters a multiple of H."""
+        with torch.no_grad():
+            self.sync.finalize()
+            self._refresh_model_params()
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self):
+        state = self.inner.state_dict()
+        state[STATE_KEY] = self.sync.state_dict()
+        return state
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+        state = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, **kwargs)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        data = None if is_loading else self.sync.state_dict()
+        state[STATE_KEY] = ShardedObject(f"optimizer.{STATE_KEY}.state", data, (world,), (rank,), replica_id=0)
+        return state
+
+    def load_state_dict(self, state_dict):
+        ours = state_dict.pop(STATE_KEY, None)
+        self.inner.load_state_dict(state_dict)
+        if ours is None:
+            log.warning("DiLoCoX: the checkpoint has no DiLoCoX state; starting rounds afresh from its model")
+            with torch.no_grad():
+                self.sync.start()
+            return
+        if hasattr(ours, "data"):  # a ShardedObject that was not resolved
+            ours = ours.data
+        self.sync.load_state_dict(ours)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+NUMERIC_ROW_KEYS = ("H", "lowrank_rank", "quant_bits", "bytes_sent", "bytes_received", "bytes_dense_fp32",
+                    "comm_seconds", "exposed_comm_seconds", "compression_rel_error", "pseudo_grad_norm")
+
+
+def log_row_to_megatron_writers(row: dict):
+    """Per-round metrics to Megatron's tensorboard and wandb writers (they exist on the last rank only)."""
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+    tb, wb = get_tensorboard_writer(), get_wandb_writer()
+    scalars = {f"dilocox/{k}": float(row[k]) for k in NUMERIC_ROW_KEYS}
+    scalars["dilocox/round"] = float(row["round"])
+    if tb is not None:
+        for k, v in scalars.items():
+            tb.add_scalar(k, v, row["iteration"])
+    if wb is not None:
+        wb.log(scalars, row["iteration"])
+
+
+_installed: dict = {}
+
+
+def install(cfg: DiLoCoXConfig, args):
+    """Wrap the optimizer Megatron builds from now on (idempotent)."""
+    import megatron.training.training as training
+    if "original" not in _installed:
+        _installed["original"] = training.get_megatron_optimizer
+
+    def get_megatron_optimizer(*a, **kw):
+        optimizer = DiLoCoXOptimizer(_installed["original"](*a, **kw), cfg, args)
+        _installed["optimizer"] = optimizer
+        return optimizer
+
+    training.get_megatron_optimizer = get_megatron_optimizer
+    return get_megatron_optimizer
+
+
+def current_optimizer() -> Optional[DiLoCoXOptimizer]:
+    return _installed.get("optimizer")
+
+
+def install_from_args(args):
+    """``install_hooks`` for the entry: validate the --dilocox-* flags, then wrap the optimizer if enabled."""
+    from megatron_dilocox.arguments import config_from_args
+    cfg = config_from_args(args)  # raises DiLoCoXConfigError before any process group exists
+    if cfg is None:
+        return None
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[dilocox] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    args.dilocox_config = cfg.public_dict()  # shows in Megatron's argument dump / wandb config, no secret
+    install(cfg, args)
+    return cfg

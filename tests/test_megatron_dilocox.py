@@ -1,0 +1,166 @@
+"""DiLoCoX inside real Megatron (``megatron.training.pretrain`` on CPU), real processes, the KJV corpus.
+
+Every run is ``megatron_dilocox.launch``: one torchrun world per cluster on this host, clusters meeting at
+the authenticated rendezvous; each cluster reads its own shard (``train_c{k}``).
+"""
+import json
+import os
+
+import pytest
+
+from megatron_dilocox.data.prepare import prepare
+from megatron_dilocox.glue.cpu_backend import CPU_FLAGS
+from megatron_dilocox.launch import run
+from megatron_dilocox.metrics import ROUND_KEYS, read_rows
+
+ITERS = 16
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kjv")
+    prepare(str(out), num_clusters=2, vocab_size=4096)
+    return str(out)
+
+
+def gpt_flags(corpus, iters=ITERS, *extra):
+    return CPU_FLAGS + [
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+        "--max-position-embeddings", "128", "--position-embedding-type", "rope",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
+        "--lr", "3e-3", "--lr-decay-style", "constant", "--log-interval", "1",
+        "--eval-interval", str(iters), "--eval-iters", "2", "--num-workers", "0", "--seed", "1234",
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", f"{corpus}/tokenizer.model",
+        "--train-data-path", f"{corpus}/train_c{{cluster}}_text_document",
+        "--valid-data-path", f"{corpus}/valid_text_document", *extra]
+
+
+def dilocox_flags(tmp_path, *extra):
+    return ["--dilocox-h", "4", "--dilocox-lowrank-rank", "4", "--dilocox-lowrank-min-dim", "32",
+            "--dilocox-quant-bits", "4", "--dilocox-quant-block-size", "64", "--dilocox-no-adaptive-h",
+            "--dilocox-metrics-file", f"{tmp_path}/metrics_c{{cluster}}.jsonl", *extra]
+
+
+def launch(clusters, nproc, megatron, dilocox=None, timeout=420, **kw):
+    codes, logs = run(clusters, nproc, megatron, dilocox_args=dilocox, timeout=timeout, echo=False,
+                      env={"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}, **kw)
+    return codes, logs
+
+
+def assert_ok(codes, logs):
+    assert codes == [0] * len(codes), "\n".join("\n".join(log.lines[-40:]) for log in logs)
+
+
+def assert_clusters_agree(tmp_path, clusters, rounds):
+    rows = [read_rows(f"{tmp_path}/metrics_c{c}.jsonl") for c in range(clusters)]
+    for c, r in enumerate(rows):
+        assert [x["round"] for x in r] == list(range(1, rounds + 1)), (c, [x["round"] for x in r])
+        assert all(set(ROUND_KEYS) <= set(x) and x["cluster"] == c and x["status"] == "applied" for x in r)
+    for c in range(1, clusters):
+        assert [x["global_model_hash"] for x in rows[c]] == [x["global_model_hash"] for x in rows[0]]
+    assert len({x["global_model_hash"] for x in rows[0]}) == rounds
+    return rows
+
+
+def assert_loss_falls(log, margin):
+    first = sum(log.losses[i] for i in (1, 2, 3)) / 3
+    last = sum(log.losses[i] for i in (ITERS - 2, ITERS - 1, ITERS)) / 3
+    assert last < first - margin, (first, last)
+
+
+def test_two_clusters_tp1_pp2(corpus, tmp_path):
+    codes, logs = launch(2, 2, gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2"),
+                         dilocox_flags(tmp_path))
+    assert_ok(codes, logs)
+    rows = assert_clusters_agree(tmp_path, 2, ITERS // 4)  # 3 delayed rounds + the final flush
+    for log in logs:
+        assert_loss_falls(log, 1.0)  # ln(4096) = 8.3 at start; a tiny GPT drops > 1 nat in 16 steps
+        assert log.valid_losses and log.valid_losses[-1] < 8.0
+    # the clusters read different shards: their losses differ
+    assert logs[0].losses[ITERS] != logs[1].losses[ITERS]
+    for r in rows[0]:
+        assert (r["H"], r["lowrank_rank"], r["quant_bits"]) == (4, 4, 4)
+        assert 0 < r["bytes_sent"] < r["bytes_dense_fp32"] / 10
+
+
+def test_two_clusters_tp2_dp2_distributed_optimizer(corpus, tmp_path):
+    """Flat distributed-optimizer shards, compressed per parameter view (row-aligned matrices)."""
+    codes, logs = launch(2, 4, gpt_flags(corpus, ITERS, "--tensor-model-parallel-size", "2",
+                                         "--use-distributed-optimizer", "--overlap-grad-reduce"),
+                         dilocox_flags(tmp_path))
+    assert_ok(codes, logs)
+    assert_clusters_agree(tmp_path, 2, ITERS // 4)
+    for log in logs:
+        assert_loss_falls(log, 1.0)
+
+
+def test_interleaved_pipeline_schedule(corpus, tmp_path):
+    codes, logs = launch(2, 2, gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
+                                         "--num-layers-per-virtual-pipeline-stage", "1"),
+                         dilocox_flags(tmp_path, "--dilocox-overlap", "none"))
+    assert_ok(codes, logs)
+    assert_clusters_agree(tmp_path, 2, ITERS // 4)
+    assert_loss_falls(logs[0], 1.0)
+
+
+def test_without_dilocox_flags_the_entry_is_plain_megatron(corpus, tmp_path):
+    """No --dilocox: Megatron's own optimizer (no DiLoCoX line, no metrics). And DiLoCoX reduced to
+    plain training (C=1, no compression, outer lr 1, momentum 0) gives the same losses."""
+    flags = gpt_flags(corpus, 8, "--pipeline-model-parallel-size", "2")
+    codes, plain = launch(1, 2, flags)
+    assert_ok(codes, plain)
+    assert not any("[dilocox]" in line for line in plain[0].lines)
+    codes, reduced = launch(1, 2, flags, ["--dilocox-h", "2", "--dilocox-no-lowrank", "--dilocox-quant-bits", "32",
+                                          "--dilocox-outer-lr", "1", "--dilocox-outer-momentum", "0",
+                                          "--dilocox-overlap", "none", "--dilocox-no-adaptive-h"])
+    assert_ok(codes, reduced)
+    assert any("DiLoCoX on: cluster 0 of 1" in line for line in reduced[0].lines)
+    assert sorted(plain[0].losses) == sorted(reduced[0].losses) == list(range(1, 9))
+    for it in range(1, 9):
+        # Megatron logs 6 significant digits; φ − (φ − θ) rounding stays below the last one
+        assert abs(plain[0].losses[it] - reduced[0].losses[it]) <= 1e-5 * plain[0].losses[it], it
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dilocox-overlap", "eager"], "--dilocox-overlap: must be one of none, one-step-delay, got 'eager'"),
+    (["--dilocox-quant-bits", "3"], "--dilocox-quant-bits: must be one of 4, 8, 16, 32 (32 = off), got 3"),
+    (["--dilocox-lowrank-rank", "100", "--dilocox-lowrank-min-dim", "32"],
+     "--dilocox-lowrank-rank-max: rank 100 exceeds min(rows, cols) = 64"),
+])
+def test_bad_flags_stop_before_training(corpus, tmp_path, flags, message):
+    codes, logs = launch(1, 1, gpt_flags(corpus, 4), flags, timeout=180)
+    text = "\n".join(logs[0].lines)
+    assert codes[0] != 0 and message in text, text[-3000:]
+    assert not logs[0].losses  # not one training iteration ran
+
+
+def test_flags_without_enable_are_an_error(corpus):
+    codes, logs = launch(1, 1, gpt_flags(corpus, 4, "--dilocox-h", "5"), timeout=180)
+    assert codes[0] != 0
+    assert "--dilocox-h given without --dilocox" in "\n".join(logs[0].lines)
+
+
+def test_clusters_with_different_layouts_are_refused_at_rendezvous(corpus, tmp_path):
+    codes, logs = launch(2, 2, gpt_flags(corpus, 4), dilocox_flags(tmp_path, "--dilocox-timeout-seconds", "60"),
+                         per_cluster_args={0: ["--pipeline-model-parallel-size", "2"],
+                                           1: ["--tensor-model-parallel-size", "2"]})
+    assert codes[0] != 0 and codes[1] != 0
+    for log in logs:
+        text = "\n".join(log.lines)
+        assert "clusters disagree" in text
+        assert "pipeline_model_parallel_size: cluster 0 has '2', cluster 1 has '1'" in text
+        assert not log.losses
+
+
+def test_checkpoint_carries_dilocox_state_and_training_continues(corpus, tmp_path):
+    ckpt = f"{tmp_path}/ckpt_c{{cluster}}"
+    flags = gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2", "--save", ckpt, "--load", ckpt,
+                      "--save-interval", "8", "--ckpt-format", "torch_dist")
+    codes, first = launch(2, 2, flags + ["--exit-interval", "8"], dilocox_flags(tmp_path))
+    assert_ok(codes, first)
+    before = read_rows(f"{tmp_path}/metrics_c0.jsonl")
+    assert [r["round"] for r in before] == [1]  # round 2 was in flight at iteration 8: saved with its result
+    codes, second = launch(2, 2, flags, dilocox_flags(tmp_path))
+    assert_ok(codes, second)
+    assert min(second[0].losses) == 9 and max(second[0].losses) == ITERS
+    assert_clusters_agree(tmp_path, 2, ITERS // 4)  # rounds 1..4 exactly once, hashes equal
