@@ -69,9 +69,20 @@ def assert_loss_falls(log, margin):
 
 
 def test_two_clusters_tp1_pp2(corpus, tmp_path):
-    codes, logs = launch(2, 2, gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2"),
+    codes, logs = launch(2, 2, gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
+                                         "--tensorboard-dir", f"{tmp_path}/tb_c{{cluster}}",
+                                         "--wandb-project", "dilocox-test", "--wandb-exp-name", "c{cluster}",
+                                         "--wandb-save-dir", f"{tmp_path}/wandb_c{{cluster}}"),
                          dilocox_flags(tmp_path))
     assert_ok(codes, logs)
+    # per-round metrics reach Megatron's tensorboard writer and (offline) wandb run
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(f"{tmp_path}/tb_c0")
+    events.Reload()
+    sent = events.Scalars("dilocox/bytes_sent")
+    assert [e.step for e in sent] == [8, 12, 16, 16] and all(e.value > 0 for e in sent)
+    wandb_files = [os.path.join(d, f) for d, _, fs in os.walk(f"{tmp_path}/wandb_c0") for f in fs if f.endswith(".wandb")]
+    assert wandb_files and any(b"dilocox/bytes_sent" in open(f, "rb").read() for f in wandb_files)
     rows = assert_clusters_agree(tmp_path, 2, ITERS // 4)  # 3 delayed rounds + the final flush
     for log in logs:
         assert_loss_falls(log, 1.0)  # ln(4096) = 8.3 at start; a tiny GPT drops > 1 nat in 16 steps
@@ -164,3 +175,16 @@ def test_checkpoint_carries_dilocox_state_and_training_continues(corpus, tmp_pat
     assert_ok(codes, second)
     assert min(second[0].losses) == 9 and max(second[0].losses) == ITERS
     assert_clusters_agree(tmp_path, 2, ITERS // 4)  # rounds 1..4 exactly once, hashes equal
+
+
+def test_main_job_short(corpus, tmp_path):
+    """README command 1's job, shortened: runs, both clusters agree, bytes far below dense."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "megatron_dilocox.main_job", "--iters", "20", "--h", "5",
+                           "--data", corpus, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))[8:])
+    assert summary["clusters_agree"] and summary["rounds"] == 20 // 5
+    assert summary["bytes_ratio_dense_over_sent"] > 20 and summary["validation_loss"][0] < 8.0

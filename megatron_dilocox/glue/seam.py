@@ -79,14 +79,14 @@ class DiLoCoXOptimizer:
     # ------------------------------------------------------------------------------------ training
     def step(self):
         success, grad_norm, num_zeros = self.inner.step()
-        row = self.sync.last_row
+        seen = len(self.sync.rows)
         if success and self.sync.after_inner_step():
             with torch.no_grad():
                 self._refresh_model_params()
         if success and self.sync.iteration == self.train_iters:
             self.finalize()  # before Megatron's final evaluation and checkpoint
-        if self.sync.last_row is not row:
-            log_row_to_megatron_writers(self.sync.last_row)
+        for row in self.sync.rows[seen:]:
+            log_row_to_megatron_writers(row)
         return success, grad_norm, num_zeros
 
     def _refresh_model_params(self):

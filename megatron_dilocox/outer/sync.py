@@ -71,6 +71,7 @@ class DiLoCoXSync:
         self._done: Optional[ExchangeResult] = None  # finished but not yet applied (after state_dict())
         self.exchange_spans: list[tuple[float, float]] = []  # wall-clock (start, end) of each exchange
         self.last_row: Optional[dict] = None
+        self.rows: list[dict] = []  # every round's metrics row, in order (small dicts; one per round)
 
     # ------------------------------------------------------------------------------------------ start
     @torch.no_grad()
@@ -205,6 +206,7 @@ class DiLoCoXSync:
                "global_model_hash": hashes[0] if len(hashes) == 1 else
                hashlib.sha256("".join(hashes).encode()).hexdigest()[:16]}
         self.last_row = row
+        self.rows.append(row)
         if self.intra.is_writer:
             self.metrics.write(row)
             log.info("DiLoCoX round %(round)d @ iter %(iteration)d: %(status)s, H=%(H)d r=%(lowrank_rank)d "
