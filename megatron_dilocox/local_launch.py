@@ -1,7 +1,7 @@
 """Run C simulated clusters on this host: C separate torch.distributed worlds, one process per rank.
 
 Each cluster gets its own MASTER_ADDR/MASTER_PORT and gloo world, exactly as C independent torchrun
-jobs would; the clusters only meet through the DiLoCoX rendezvous store. Used by the demo and the tests.
+jobs would; the clusters only meet through the DiLoCoX rendezvous store. Used by the core tests.
 """
 from __future__ import annotations
 
