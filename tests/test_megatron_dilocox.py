@@ -105,6 +105,24 @@ def test_two_clusters_tp2_dp2_distributed_optimizer(corpus, tmp_path):
         assert_loss_falls(log, 1.0)
 
 
+def test_data_parallel_without_distributed_optimizer(corpus, tmp_path):
+    """DP2 replicas: views dealt round-robin over the DP ranks, broadcast inside the DP group, so the
+    cluster sends one replica's worth (what a 1-process cluster sends), not two."""
+    dl = dilocox_flags(tmp_path, "--dilocox-overlap", "none", "--dilocox-no-adaptive-rank")
+    codes, logs = launch(2, 2, gpt_flags(corpus, 8), dl)
+    assert_ok(codes, logs)
+    dp2 = assert_clusters_agree(tmp_path, 2, 2)
+    for c in range(2):
+        os.rename(f"{tmp_path}/metrics_c{c}.jsonl", f"{tmp_path}/dp2_c{c}.jsonl")
+    codes, logs = launch(2, 1, gpt_flags(corpus, 8), dl)
+    assert_ok(codes, logs)
+    dp1 = assert_clusters_agree(tmp_path, 2, 2)
+    for a, b in zip(dp2[0], dp1[0]):
+        assert a["bytes_dense_fp32"] == b["bytes_dense_fp32"]
+        # the same views and payloads; only the second rank's 64-byte header and energy stats are extra
+        assert 0 <= a["bytes_sent"] - b["bytes_sent"] <= 64 + 4 * (4 + 1)
+
+
 def test_interleaved_pipeline_schedule(corpus, tmp_path):
     codes, logs = launch(2, 2, gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
                                          "--num-layers-per-virtual-pipeline-stage", "1"),

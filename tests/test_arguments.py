@@ -1,0 +1,51 @@
+"""The --dilocox-* flags: generated from the config, mapped onto it, chainable as extra_args_provider."""
+import argparse
+
+import pytest
+
+from megatron_dilocox.arguments import add_dilocox_args, chain_providers, config_from_args, flag_table
+from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
+
+
+def parse(*argv, chain=None):
+    return add_dilocox_args(argparse.ArgumentParser(), chain=chain).parse_args(list(argv))
+
+
+def test_flags_map_onto_the_config_and_defaults_stay():
+    cfg = config_from_args(parse("--dilocox", "--dilocox-h", "7", "--dilocox-no-lowrank", "--dilocox-overlap", "none",
+                                 "--dilocox-outer-lr", "0.5", "--dilocox-quant-bits", "8"))
+    assert (cfg.h, cfg.lowrank, cfg.overlap, cfg.outer_lr, cfg.quant_bits) == (7, False, "none", 0.5, 8)
+    assert cfg.lowrank_rank == DiLoCoXConfig().lowrank_rank and cfg.adaptive_rank is True
+
+
+def test_absent_means_plain_megatron_and_stray_flags_are_an_error():
+    assert config_from_args(parse()) is None
+    with pytest.raises(DiLoCoXConfigError, match=r"--dilocox-h, --dilocox-quant-bits given without --dilocox"):
+        config_from_args(parse("--dilocox-h", "5", "--dilocox-quant-bits", "8"))
+
+
+def test_invalid_value_names_the_flag():
+    with pytest.raises(DiLoCoXConfigError, match=r"^--dilocox-quant-bits: must be one of 4, 8, 16, 32"):
+        config_from_args(parse("--dilocox", "--dilocox-quant-bits", "5"))
+
+
+def test_secret_is_not_a_flag():
+    with pytest.raises(SystemExit):
+        parse("--dilocox", "--dilocox-secret", "x")
+
+
+def test_chains_with_other_extra_args_providers():
+    def other(parser):
+        parser.add_argument("--my-flag", type=int, default=0)
+        return parser
+    args = parse("--my-flag", "3", "--dilocox", chain=other)
+    assert args.my_flag == 3 and args.dilocox
+    combined = chain_providers(other, add_dilocox_args)(argparse.ArgumentParser())
+    assert combined.parse_args(["--my-flag", "4", "--dilocox-h", "2"]).dilocox_h == 2
+
+
+def test_flag_table_lists_every_flag():
+    table = flag_table()
+    for flag in ("--dilocox-num-clusters", "--dilocox-lowrank-rank-max", "--dilocox-no-adaptive-h", "$DILOCOX_SECRET"):
+        assert flag in table
+    assert "--dilocox-secret" not in table
