@@ -102,10 +102,17 @@ def run(clusters: int, nproc: int, megatron_args: list[str], dilocox_args: list[
     return [c if c is not None else -9 for c in codes], logs
 
 
-def main(argv=None):
+def split_passthrough(argv=None) -> tuple[list[str], list[str]]:
+    """(our own arguments, the ones after "--" that go to every cluster's Megatron)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    rest = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def main(argv=None):
+    own, rest = split_passthrough(argv)
     ap = argparse.ArgumentParser(description="run C DiLoCoX clusters on this host")
     ap.add_argument("--clusters", type=int, default=2)
     ap.add_argument("--nproc", type=int, default=2, help="processes per cluster")

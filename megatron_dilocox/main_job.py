@@ -40,9 +40,8 @@ def gpt_flags(corpus: str, iters: int, tp: int, pp: int) -> list[str]:
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
+    from megatron_dilocox.launch import split_passthrough
+    own, extra = split_passthrough(argv)
     ap = argparse.ArgumentParser(description="DiLoCoX main job: small real GPT pretraining across clusters")
     ap.add_argument("--clusters", type=int, default=2)
     ap.add_argument("--tp", type=int, default=1)
