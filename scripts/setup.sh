@@ -25,4 +25,10 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[test]'
   touch "$stamp"
 fi
-.venv/bin/python -c "import torch, megatron.core, megatron.training; print('setup: ok, torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
+PYTHONWARNINGS=ignore .venv/bin/python -c "import torch, megatron.core, megatron.training; print('setup: ok, torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
+# The corpus comes from Debian's bible-kjv packages (installed here when apt is available; the data
+# builder installs them too, and says what to install where it cannot).
+if ! command -v bible >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q --no-install-recommends bible-kjv bible-kjv-text >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends bible-kjv bible-kjv-text >/dev/null; }
+fi
