@@ -8,37 +8,24 @@ import os
 
 import pytest
 
-from megatron_dilocox.data.prepare import prepare
-from megatron_dilocox.glue.cpu_backend import CPU_FLAGS
 from megatron_dilocox.launch import run
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
+from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
 
 ITERS = 16
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kjv")
-    prepare(str(out), num_clusters=2, vocab_size=4096)
-    return str(out)
+@pytest.fixture
+def corpus(kjv):
+    return str(kjv)
 
 
 def gpt_flags(corpus, iters=ITERS, *extra):
-    return CPU_FLAGS + [
-        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
-        "--max-position-embeddings", "128", "--position-embedding-type", "rope",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
-        "--lr", "3e-3", "--lr-decay-style", "constant", "--log-interval", "1",
-        "--eval-interval", str(iters), "--eval-iters", "2", "--num-workers", "0", "--seed", "1234",
-        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", f"{corpus}/tokenizer.model",
-        "--train-data-path", f"{corpus}/train_c{{cluster}}_text_document",
-        "--valid-data-path", f"{corpus}/valid_text_document", *extra]
+    return tiny_gpt_flags(corpus, iters, *extra)
 
 
 def dilocox_flags(tmp_path, *extra):
-    return ["--dilocox-h", "4", "--dilocox-lowrank-rank", "4", "--dilocox-lowrank-min-dim", "32",
-            "--dilocox-quant-bits", "4", "--dilocox-quant-block-size", "64", "--dilocox-no-adaptive-h",
-            "--dilocox-metrics-file", f"{tmp_path}/metrics_c{{cluster}}.jsonl", *extra]
+    return tiny_dilocox_flags(tmp_path, *extra)
 
 
 def launch(clusters, nproc, megatron, dilocox=None, timeout=420, **kw):

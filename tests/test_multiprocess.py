@@ -2,9 +2,6 @@
 
 Reference simulations run in the parent process from the same data (tests/workers.py: ``batch``).
 """
-import json
-import math
-import os
 
 import pytest
 import torch

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dilocox.glue.cpu_backend import CPU_FLAGS
+from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
 from megatron_dilocox.launch import run
 from megatron_dilocox.metrics import read_rows
 
@@ -223,12 +223,9 @@ def test_wrap_optimizer_is_a_no_op_without_dilocox_and_never_wraps_twice():
 ITERS, H = 8, 4
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from megatron_dilocox.data.prepare import prepare
-    out = tmp_path_factory.mktemp("kjv")
-    prepare(str(out), num_clusters=2, vocab_size=1024)
-    return str(out)
+@pytest.fixture
+def corpus(kjv):
+    return str(kjv)
 
 
 @pytest.fixture(scope="module")
@@ -240,21 +237,11 @@ def patched_megatron(tmp_path_factory):
 
 
 def tiny_flags(corpus):
-    return CPU_FLAGS + [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--max-position-embeddings", "64", "--position-embedding-type", "rope",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
-        "--lr", "3e-3", "--lr-decay-style", "constant", "--log-interval", "1",
-        "--eval-interval", str(ITERS), "--eval-iters", "1", "--num-workers", "0", "--seed", "1234",
-        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", f"{corpus}/tokenizer.model",
-        "--train-data-path", f"{corpus}/train_c{{cluster}}_text_document",
-        "--valid-data-path", f"{corpus}/valid_text_document"]
+    return tiny_gpt_flags(corpus, ITERS, layers=2, seq=64, global_batch=4)
 
 
 def tiny_dilocox(metrics_dir):
-    return ["--dilocox-h", str(H), "--dilocox-lowrank-rank", "4", "--dilocox-lowrank-min-dim", "32",
-            "--dilocox-quant-bits", "4", "--dilocox-quant-block-size", "64", "--dilocox-no-adaptive-h",
-            "--dilocox-metrics-file", f"{metrics_dir}/metrics_c{{cluster}}.jsonl"]
+    return tiny_dilocox_flags(metrics_dir, h=H)
 
 
 def launch(module, flags, dilocox, pythonpath=None, clusters=2, timeout=300):

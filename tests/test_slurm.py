@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dilocox.data.prepare import prepare
 from megatron_dilocox.metrics import read_rows
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, free_port
 
@@ -41,13 +40,6 @@ def slurm():
         pytest.fail(f"could not start the test SLURM cluster: {exc}")
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def kjv(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kjv_slurm")
-    prepare(str(out), num_clusters=2, vocab_size=4096)
-    return out
 
 
 def data_env(corpus: Path, log_dir: Path) -> dict:
