@@ -1,0 +1,173 @@
+"""CLI: ``python -m megatron_dilocox.sim [--paper] [--plan] [--json] [--<input> VALUE ...]``.
+
+Every field of ``cost_model.Setup`` is a flag (``--hidden``, ``--tp``, ``--link-gbps``, ``--rank``, ...).
+Text output ends with the line ``speedup_vs_allreduce: <number>``; ``--json`` prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from dataclasses import replace
+
+from megatron_dilocox.sim.cost_model import Setup, layer_tensors, model_params, numel, plan, predict
+
+HELP = {
+    "hidden": "hidden size h", "layers": "transformer layers L", "ffn": "FFN hidden size",
+    "vocab": "vocabulary size (padded to 128*TP)", "heads": "attention heads", "kv_heads": "KV heads (GQA)",
+    "swiglu": "SwiGLU MLP (fc1 has 2*ffn rows)", "tied_embeddings": "output layer shares the embedding",
+    "bias": "linear and norm biases", "clusters": "number of clusters C", "tp": "tensor parallel per cluster",
+    "pp": "pipeline parallel per cluster", "dp": "data parallel per cluster",
+    "distributed_optimizer": "Megatron distributed optimizer (flat DP shards) vs DP replicas dealt round-robin",
+    "peak_tflops": "peak dense bf16 TFLOP/s per GPU", "mfu": "model FLOPs utilisation (6 N FLOPs per token)",
+    "tokens_per_gpu_s": "measured tokens/s per GPU (overrides --mfu)",
+    "global_batch_tokens": "tokens per inner step, all clusters together",
+    "link_gbps": "inter-cluster bandwidth per cluster, Gbit/s", "latency_ms": "one-way latency per ring hop, ms",
+    "h": "inner steps per round", "rank": "low-rank rank", "bits": "quantization bits: 4, 8, 16, 32",
+    "block": "values per quantization block", "min_dim": "matrices with min(rows, cols) below this go whole",
+    "lowrank": "low-rank compression", "overlap": "one-step-delay or none",
+    "outer_momentum": "outer momentum (0: no momentum buffer)", "outer_state_device": "cpu or param",
+    "allreduce_bits": "gradient bits of the AllReduce baseline: 32 (fp32) or 16 (bf16)",
+}
+
+# The paper's setup (Qi et al. 2025, arXiv 2506.21263) as far as we could confirm it, the rest assumed.
+PAPER = dict(hidden=8192, layers=80, ffn=47104, vocab=152064, heads=64, kv_heads=8, swiglu=True,
+             tied_embeddings=False, bias=False, clusters=2, tp=1, pp=8, dp=10, distributed_optimizer=True,
+             peak_tflops=312.0, mfu=0.4, global_batch_tokens=2 * 80 * 2048, link_gbps=1.0, latency_ms=10.0,
+             h=100, rank=32, bits=4, block=128, allreduce_bits=32)
+PAPER_NOTES = [
+    ("confirmed (abstract)", "107B-parameter model pre-trained over a 1 Gbps network; 357x speedup vs vanilla"
+                             " AllReduce"),
+    ("confirmed (Fig. 1 caption)", "example layout: 2 clusters x 16 workers, PP=8, DP=2 per cluster"),
+    ("secondary source (0G blog)", "modified Qwen1.5-107B on 160 GPUs over 20 nodes; A800 GPUs (press)"),
+    ("assumed", "C=2 clusters of 80 GPUs (10 nodes x 8), TP1 PP8 DP10 with the distributed optimizer"),
+    ("assumed", "shape: h 8192, 80 layers, FFN 47104 SwiGLU, 64 heads / 8 KV heads, vocab 152064, untied"
+                " (Qwen1.5-110B-like, FFN cut to land at 107.2B)"),
+    ("assumed", "A800 peak 312 TFLOP/s bf16 dense (vendor spec), MFU 0.40"),
+    ("assumed", "80 sequences x 2048 tokens per cluster per step (DP 10 x 8 micro-batches of 1)"),
+    ("assumed", "AllReduce baseline: fp32 gradient ring all-reduce over the 1 Gbps link every step, not overlapped"),
+    ("assumed", "H=100, rank 32, int4 blocks of 128 (this package's README example, not the paper's values);"
+                " 10 ms latency per hop"),
+]
+
+
+def _type(annotation: str):
+    return {"int": int, "float": float, "str": str}[annotation.replace("Optional[", "").rstrip("]")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m megatron_dilocox.sim", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--paper", action="store_true", help="the paper's setup (flags given too override it)")
+    ap.add_argument("--plan", action="store_true", help="also pick H, rank and bits that hide the transfer")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--params", type=float, help="model size; sets --layers (multiple of --pp) to match")
+    ap.add_argument("--h-min", type=int, help="planner: smallest H allowed (default --h)")
+    ap.add_argument("--h-max", type=int, help="planner: largest H allowed")
+    ap.add_argument("--margin", type=float, default=0.1, help="planner: transfer this much shorter than a round")
+    for f in dataclasses.fields(Setup):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=HELP[f.name])
+        elif f.name == "overlap":
+            ap.add_argument(flag, choices=["one-step-delay", "none"], default=f.default, help=HELP[f.name])
+        elif f.name == "outer_state_device":
+            ap.add_argument(flag, choices=["cpu", "param"], default=f.default, help=HELP[f.name])
+        else:
+            ap.add_argument(flag, type=_type(f.type), default=f.default, help=HELP[f.name])
+    return ap
+
+
+def parse(argv) -> argparse.Namespace:
+    ap = build_parser()
+    if "--paper" in argv:
+        ap.set_defaults(**PAPER)
+    args = ap.parse_args(argv)
+    if args.params:  # layers from the size: embeddings + L layers ~= params
+        s = _setup(args)
+        per_layer = sum(numel(t) for t in layer_tensors(s, 1))
+        rest = model_params(replace(s, layers=0))
+        args.layers = max(args.pp, round((args.params - rest) / per_layer / args.pp) * args.pp)
+    return args
+
+
+def _setup(args) -> Setup:
+    return Setup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Setup)})
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f} GB"
+
+
+def report(args, out: dict) -> str:
+    s, m = _setup(args), out["methods"]
+    lines = [f"DiLoCoX cost model: {out['params'] / 1e9:.2f}B params, {s.clusters} clusters x {s.gpus_per_cluster} GPUs"
+             f" (TP{s.tp} PP{s.pp} DP{s.dp}, {'distributed optimizer' if s.distributed_optimizer else 'DP replicas'}),"
+             f" {s.link_gbps:g} Gbps, H={s.h}, rank {s.rank if s.lowrank else 'off'}, {s.bits}-bit/{s.block},"
+             f" {s.overlap}",
+             f"inner step: {out['step_seconds']:.2f} s for {s.global_batch_tokens:,} tokens (all clusters);"
+             f" H steps = {out['round_compute_seconds']:.0f} s",
+             f"{'method':<10}{'tokens/s':>12}{'s/step':>12}{'comm s':>12}{'exposed s':>12}{'sent/cluster':>16}"]
+    for k, per in (("allreduce", 1), ("diloco", s.h), ("dilocox", s.h), ("ceiling", 1)):
+        v = m[k]
+        sec = v.get("seconds_per_step", v.get("seconds_per_round", 0)) / per
+        comm, exp = v.get("comm_seconds", 0.0), v.get("exposed_seconds", v.get("comm_seconds", 0.0))
+        unit = "step" if k == "allreduce" else "round"
+        sent = f"{_gb(v['bytes_per_cluster'])}/{unit}" if "bytes_per_cluster" in v else "-"
+        lines.append(f"{k:<10}{v['tokens_per_s']:>12,.1f}{sec:>12.2f}{comm:>12.1f}{exp:>12.1f}{sent:>16}")
+    lines.append(f"DiLoCoX compression vs dense fp32: {m['dilocox']['compression_vs_dense_fp32']:,.0f}x;"
+                 f" DiLoCo speedup vs AllReduce: {out['diloco_speedup_vs_allreduce']:.1f}x")
+    if out["views_rank_too_large"]:
+        lines.append(f"WARNING: {out['views_rank_too_large']} matrix views are smaller than the rank"
+                     " (the package refuses that configuration)")
+    mem = out["memory"]
+    lines.append(f"memory per GPU (busiest rank, {mem['rank_numel'] / 1e9:.3f}B values owned): outer state on"
+                 f" {mem['outer_state_on']}: anchor {_gb(mem['anchor'])}, momentum {_gb(mem['momentum'])},"
+                 f" round start {_gb(mem['round_start'])}; on GPU: error feedback {_gb(mem['error_feedback'])},"
+                 f" Q {_gb(mem['q'])} (+{_gb(mem['transient_gpu_bytes'])} transient per round);"
+                 f" totals GPU {_gb(mem['gpu_bytes'])}, CPU {_gb(mem['cpu_bytes'])}")
+    if "plan" in out:
+        p = out["plan"]
+        if p["feasible"]:
+            x = p["prediction"]["methods"]["dilocox"]
+            lines.append(f"plan: H={p['h']}, rank {p['rank'] or 'off (dense)'}, {p['bits']} bits: transfer"
+                         f" {x['comm_seconds']:.1f} s vs {p['prediction']['round_compute_seconds']:.1f} s of training"
+                         f" (exposed {x['exposed_seconds']:.1f} s), {x['tokens_per_s']:,.1f} tokens/s")
+        else:
+            lines.append(f"plan: infeasible: {p['reason']}")
+    if args.paper:
+        lines.append("paper setup (Qi et al. 2025, arXiv 2506.21263); what is and is not from the paper:")
+        lines += [f"  [{tag}] {text}" for tag, text in PAPER_NOTES]
+        ar, x = m["allreduce"], m["dilocox"]
+        lines.append(f"arithmetic: AllReduce step = T_step + 2(C-1)/C * 4N bytes / 125 MB/s = {out['step_seconds']:.2f}"
+                     f" + {ar['comm_seconds']:.0f} s; DiLoCoX step = T_step + exposed/H = {out['step_seconds']:.2f} +"
+                     f" {x['exposed_seconds'] / s.h:.2f} s; speedup = {ar['seconds_per_step']:.0f} /"
+                     f" {x['seconds_per_round'] / s.h:.2f} = {out['speedup_vs_allreduce']:.1f}"
+                     " (~ 1 + T_AR/T_step, independent of N; scales with MFU x GPUs / (batch x bandwidth))")
+        for label, kw in (("bf16 AllReduce", {"allreduce_bits": 16}), ("MFU 0.3", {"mfu": 0.3}),
+                          ("MFU 0.5", {"mfu": 0.5}), ("2x batch", {"global_batch_tokens": 2 * s.global_batch_tokens})):
+            lines.append(f"  sensitivity, {label}: speedup {predict(replace(s, **kw))['speedup_vs_allreduce']:.1f}")
+    lines.append(f"speedup_vs_allreduce: {out['speedup_vs_allreduce']:.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    s = _setup(args)
+    out = predict(s)
+    if args.plan or args.paper:
+        out["plan"] = plan(s, h_min=args.h_min or s.h, h_max=args.h_max, margin=args.margin)
+    if args.json:
+        if args.paper:
+            out["paper_notes"] = [{"source": t, "text": x} for t, x in PAPER_NOTES]
+        print(json.dumps(out, indent=1))
+    else:
+        print(report(args, out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""Closed-form cost model of AllReduce, DiLoCo and DiLoCoX over a slow inter-cluster link (pure Python).
+
+Compute: an inner step of one cluster takes T_step = (global batch tokens / C) / (GPUs per cluster x
+tokens/s per GPU), with tokens/s per GPU = MFU x peak FLOP/s / (6 N) unless given directly.
+
+Bytes: the tensors every rank of a cluster owns are built from a Megatron GPT layout (TP splits rows of
+column-parallel and columns of row-parallel weights, PP splits layers, DP either splits every parameter
+into contiguous row-aligned slices like the distributed optimizer, or deals whole tensors round-robin).
+Each rank's DiLoCoX payload is the codec's closed form (``PseudoGradientCodec.payload_sizes``): low-rank P
+and Q of same-shape matrix groups plus the small tensors whole, each ``payload_bytes`` long; a 64-byte
+header, phase 1 and phase 2 travel as all-gathers ((C-1)*S bytes sent) or, at 32 bits, ring all-reduces
+(floor(2(C-1)S/C)). All ranks of a cluster share the one link, so T_comm = (sum over ranks) / bandwidth
++ latency per ring hop.
+
+    AllReduce : every step T_step + dense gradient all-reduce (fp32 or bf16)
+    DiLoCo    : every H steps a dense fp32 pseudo-gradient all-reduce, not overlapped
+    DiLoCoX   : every H steps the compressed exchange; one-step-delay exposes max(0, T_comm - H T_step)
+    ceiling   : no communication at all
+
+No torch and no megatron import here: ``payload_bytes`` re-implements ``compression.quantize.payload_bytes``
+(tests check that both agree, and that the per-rank sums equal the codec's ``payload_sizes``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+HEADER_BYTES = 64  # codec.HEADER_BYTES: 8 float64 values
+SCALE_BYTES = 4  # one fp32 scale per quantization block
+
+
+def payload_bytes(numel: int, bits: int, block: int) -> int:
+    """Bytes of one quantized payload of ``numel`` values (same closed form as compression.quantize)."""
+    if bits == 32:
+        return 4 * numel
+    if bits == 16:
+        return 2 * numel
+    return math.ceil(numel * bits / 8) + SCALE_BYTES * math.ceil(numel / block)
+
+
+def allgather_bytes(size: int, clusters: int) -> int:
+    return (clusters - 1) * size
+
+
+def allreduce_bytes(size: int, clusters: int) -> int:
+    return 2 * (clusters - 1) * size // clusters
+
+
+@dataclass
+class Setup:
+    # model (Megatron GPT): hidden, layers, ffn hidden, vocab, attention and KV heads
+    hidden: int = 4096
+    layers: int = 32
+    ffn: int = 11008
+    vocab: int = 32000
+    heads: int = 32
+    kv_heads: Optional[int] = None  # None: = heads (no GQA)
+    swiglu: bool = True
+    tied_embeddings: bool = False
+    bias: bool = False
+    # layout per cluster
+    clusters: int = 2
+    tp: int = 1
+    pp: int = 1
+    dp: int = 8
+    distributed_optimizer: bool = True
+    # compute
+    peak_tflops: float = 312.0  # per GPU, dense bf16
+    mfu: float = 0.4
+    tokens_per_gpu_s: Optional[float] = None  # overrides mfu x peak when given
+    global_batch_tokens: int = 2 * 8 * 4 * 2048  # per inner step, summed over clusters
+    # link (per cluster egress, full duplex)
+    link_gbps: float = 1.0
+    latency_ms: float = 0.0
+    # DiLoCoX
+    h: int = 100
+    rank: int = 64
+    bits: int = 4
+    block: int = 128
+    min_dim: int = 64
+    lowrank: bool = True
+    overlap: str = "one-step-delay"  # or "none"
+    outer_momentum: float = 0.9
+    outer_state_device: str = "cpu"  # or "param"
+    allreduce_bits: int = 32  # gradient dtype of the AllReduce baseline (32 or 16)
+
+    @property
+    def gpus_per_cluster(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+# --------------------------------------------------------------------------------------- tensors
+def _pad_vocab(vocab: int, tp: int) -> int:
+    m = 128 * tp  # Megatron's --make-vocab-size-divisible-by 128, times TP
+    return -(-vocab // m) * m
+
+
+def layer_tensors(s: Setup, tp: int) -> list[tuple[int, ...]]:
+    """One transformer layer's parameters on one TP rank (Megatron names in comments)."""
+    h, kv, hd = s.hidden, s.kv_heads or s.heads, s.hidden // s.heads
+    qkv_rows, fc1_rows = (s.heads + 2 * kv) * hd, (2 if s.swiglu else 1) * s.ffn
+    t = [(h,), (qkv_rows // tp, h), (h, h // tp), (h,), (fc1_rows // tp, h), (h, s.ffn // tp)]
+    # input_layernorm, linear_qkv, linear_proj, pre_mlp_layernorm, linear_fc1, linear_fc2
+    if s.bias:
+        t += [(h,), (qkv_rows // tp,), (h,), (h,), (fc1_rows // tp,), (h,)]
+    return t
+
+
+def stage_tensors(s: Setup, stage: int, tp: Optional[int] = None, pp: Optional[int] = None) -> list[tuple]:
+    tp, pp = tp or s.tp, pp or s.pp
+    per, extra = divmod(s.layers, pp)
+    n_layers = per + (1 if stage < extra else 0)
+    emb = (_pad_vocab(s.vocab, tp) // tp, s.hidden)
+    out = [emb] if stage == 0 else []
+    for _ in range(n_layers):
+        out += layer_tensors(s, tp)
+    if stage == pp - 1:
+        out += [(s.hidden,)] + ([(s.hidden,)] if s.bias else [])  # final norm
+        if not s.tied_embeddings or pp > 1:  # output layer (or the last stage's copy of a tied embedding)
+            out.append(emb)
+    return out
+
+
+def numel(shape: tuple) -> int:
+    return math.prod(shape)
+
+
+def model_params(s: Setup) -> int:
+    return sum(numel(t) for t in stage_tensors(s, 0, tp=1, pp=1))
+
+
+def _row_views(shape: tuple, start: int, end: int) -> list[tuple]:
+    """Shapes of glue.param_views.row_aligned_views for elements [start, end) of ``shape``."""
+    if end <= start:
+        return []
+    if len(shape) < 2:
+        return [(end - start,)]
+    cols = numel(shape) // shape[0]
+    first, last = -(-start // cols) * cols, (end // cols) * cols
+    if first >= last:
+        return [(end - start,)]
+    return ([(first - start,)] if first > start else []) + [((last - first) // cols, cols)] + \
+        ([(end - last,)] if last < end else [])
+
+
+def rank_views(s: Setup) -> list[tuple[int, list[tuple]]]:
+    """(multiplicity, view shapes) for every (PP, DP) rank of a cluster; TP ranks are identical."""
+    out = []
+    for stage in range(s.pp):
+        tensors = stage_tensors(s, stage)
+        for d in range(s.dp):
+            if s.distributed_optimizer:  # each parameter split into DP contiguous slices (approximation)
+                views = [v for t in tensors for v in _row_views(t, d * numel(t) // s.dp, (d + 1) * numel(t) // s.dp)]
+            else:  # whole tensors dealt round-robin over the DP ranks
+                views = [t for i, t in enumerate(tensors) if i % s.dp == d]
+            out.append((s.tp, views))
+    return out
+
+
+# --------------------------------------------------------------------------------------- bytes
+def rank_payload(shapes: list[tuple], rank: int, bits: int, block: int, min_dim: int = 64,
+                 lowrank: bool = True) -> dict:
+    """The codec's closed form for one rank: phase-1 and phase-2 payload bytes and its state sizes."""
+    groups: dict = {}
+    whole, too_small = 0, 0
+    for sh in shapes:
+        if len(sh) >= 2 and sh[0] > 0 and lowrank and min(sh[0], numel(sh) // sh[0]) >= min_dim:
+            key = (sh[0], numel(sh) // sh[0])
+            groups[key] = groups.get(key, 0) + 1
+            too_small += rank > min(key)  # the codec refuses such a rank (DiLoCoXConfigError)
+        else:
+            whole += numel(sh)
+    p1 = sum(payload_bytes(b * r * rank, bits, block) for (r, _), b in groups.items())
+    p1 += payload_bytes(whole, bits, block) if whole else 0
+    p2 = sum(payload_bytes(b * c * rank, bits, block) for (_, c), b in groups.items())
+    p2 += 4 * (rank + 1) if groups else 0
+    return {"p1": p1, "p2": p2, "numel": sum(numel(sh) for sh in shapes), "groups": len(groups),
+            "q_numel": sum(b * c * rank for (_, c), b in groups.items()), "rank_too_large": too_small}
+
+
+def exchange_bytes(p1: int, p2: int, bits: int, clusters: int) -> int:
+    """Bytes one rank sends in one round: header all-gather, then phase 1 and phase 2."""
+    coll = allreduce_bytes if bits == 32 else allgather_bytes
+    return allgather_bytes(HEADER_BYTES, clusters) + coll(p1, clusters) + (coll(p2, clusters) if p2 else 0)
+
+
+def round_bytes(s: Setup, views: Optional[list] = None) -> dict:
+    """Per-cluster bytes of one round (DiLoCoX and dense fp32) and the largest rank's state."""
+    total = dense = owned = max_numel = max_q = too_small = 0
+    phases = 2
+    for mult, views in views if views is not None else rank_views(s):
+        p = rank_payload(views, s.rank, s.bits, s.block, s.min_dim, s.lowrank)
+        total += mult * exchange_bytes(p["p1"], p["p2"], s.bits, s.clusters)
+        dense += mult * allreduce_bytes(4 * p["numel"], s.clusters)
+        owned += mult * p["numel"]
+        max_numel, max_q = max(max_numel, p["numel"]), max(max_q, p["q_numel"])
+        too_small += mult * p["rank_too_large"]
+        phases = max(phases, 3 if p["groups"] else 2)
+    return {"dilocox": total, "dense_fp32": dense, "owned_numel": owned, "max_rank_numel": max_numel,
+            "max_rank_q_numel": max_q, "views_rank_too_large": too_small, "phases": phases}
+
+
+# --------------------------------------------------------------------------------------- time
+def step_seconds(s: Setup, n_params: Optional[int] = None) -> float:
+    n = n_params or model_params(s)
+    per_gpu = s.tokens_per_gpu_s or s.mfu * s.peak_tflops * 1e12 / (6 * n)
+    return (s.global_batch_tokens / s.clusters) / (s.gpus_per_cluster * per_gpu)
+
+
+def link_seconds(nbytes: float, s: Setup, hops: int) -> float:
+    if s.clusters == 1:
+        return 0.0
+    return nbytes / (s.link_gbps * 1e9 / 8) + hops * s.latency_ms / 1e3
+
+
+def allreduce_step_seconds(grad_bytes: float, s: Setup) -> float:
+    """Ring all-reduce of ``grad_bytes`` (per cluster, before the 2(C-1)/C factor) over the link."""
+    return link_seconds(2 * (s.clusters - 1) / s.clusters * grad_bytes, s, 2 * (s.clusters - 1))
+
+
+def dilocox_comm_seconds(s: Setup, rb: dict) -> float:
+    """Transfer time of one round: all ranks' bytes over the shared link, plus one latency per ring hop."""
+    hops = (s.clusters - 1) * (rb["phases"] if s.bits != 32 else 1 + 2 * (rb["phases"] - 1))
+    return link_seconds(rb["dilocox"], s, hops)
+
+
+def memory(s: Setup, rb: dict) -> dict:
+    """Bytes of DiLoCoX state on the busiest GPU's rank (outer state on CPU or beside the params)."""
+    n = rb["max_rank_numel"]
+    outer = {"anchor": 4 * n, "momentum": 4 * n if s.outer_momentum else 0,
+             "round_start": 4 * n if s.overlap == "one-step-delay" else 0}
+    gpu = {"error_feedback": 4 * n, "q": 4 * rb["max_rank_q_numel"]}
+    where = "cpu" if s.outer_state_device == "cpu" else "gpu"
+    gpu_total = sum(gpu.values()) + (sum(outer.values()) if where == "gpu" else 0)
+    cpu_total = sum(outer.values()) if where == "cpu" else 0
+    return {"rank_numel": n, "outer_state_on": where, **outer, **gpu, "gpu_bytes": gpu_total,
+            "cpu_bytes": cpu_total, "transient_gpu_bytes": 8 * n}  # δ and M = δ + e during a round
+
+
+def predict(s: Setup) -> dict:
+    n = model_params(s)
+    rb = round_bytes(s)
+    t_step = step_seconds(s, n)
+    b_step = s.global_batch_tokens
+    ceiling = b_step / t_step
+    # AllReduce: dense gradients of every owned tensor, every step
+    grad_bytes = rb["owned_numel"] * s.allreduce_bits / 8
+    t_ar = allreduce_step_seconds(grad_bytes, s)
+    # DiLoCo: dense fp32 pseudo-gradient every H steps, blocking
+    t_diloco = link_seconds(rb["dense_fp32"], s, 2 * (s.clusters - 1))
+    # DiLoCoX: compressed exchange every H steps
+    t_x = dilocox_comm_seconds(s, rb)
+    hidden = s.h * t_step
+    exposed = max(0.0, t_x - hidden) if s.overlap == "one-step-delay" else t_x
+    methods = {
+        "allreduce": {"seconds_per_step": t_step + t_ar, "comm_seconds": t_ar,
+                      "bytes_per_cluster": 2 * (s.clusters - 1) * grad_bytes / s.clusters},
+        "diloco": {"seconds_per_round": hidden + t_diloco, "comm_seconds": t_diloco, "exposed_seconds": t_diloco,
+                   "bytes_per_cluster": rb["dense_fp32"]},
+        "dilocox": {"seconds_per_round": hidden + exposed, "comm_seconds": t_x, "exposed_seconds": exposed,
+                    "bytes_per_cluster": rb["dilocox"],
+                    "compression_vs_dense_fp32": rb["dense_fp32"] / max(rb["dilocox"], 1)},
+        "ceiling": {"seconds_per_step": t_step},
+    }
+    methods["allreduce"]["tokens_per_s"] = b_step / methods["allreduce"]["seconds_per_step"]
+    for k in ("diloco", "dilocox"):
+        methods[k]["tokens_per_s"] = s.h * b_step / methods[k]["seconds_per_round"]
+    methods["ceiling"]["tokens_per_s"] = ceiling
+    ar = methods["allreduce"]["tokens_per_s"]
+    return {"setup": asdict(s), "params": n, "gpus": s.clusters * s.gpus_per_cluster, "step_seconds": t_step,
+            "round_compute_seconds": hidden, "methods": methods, "memory": memory(s, rb),
+            "views_rank_too_large": rb["views_rank_too_large"],
+            "speedup_vs_allreduce": methods["dilocox"]["tokens_per_s"] / ar,
+            "diloco_speedup_vs_allreduce": methods["diloco"]["tokens_per_s"] / ar}
+
+
+# --------------------------------------------------------------------------------------- planner
+def plan(s: Setup, h_min: int, h_max: Optional[int] = None, margin: float = 0.1,
+         ranks: Optional[list] = None, bits_options: tuple = (32, 16, 8, 4)) -> dict:
+    """Smallest H >= h_min that hides the transfer (adaptive-H rule), then the highest rank and bits.
+
+    Candidates: every rank in ``ranks`` (default powers of two up to 1024; ``None`` = no low-rank, dense)
+    with every quantization. H = max(h_min, ceil(T_comm / T_step * (1 + margin))), as in the package's
+    adaptive H. Among the candidates with the smallest H, prefer dense over low-rank, then the higher
+    rank, then the more bits (more information for the same hidden transfer)."""
+    ranks = ranks if ranks is not None else [None] + [2 ** k for k in range(10, -1, -1)]
+    t_step, views = step_seconds(s), rank_views(s)
+    best, tried = None, []
+    for r in ranks:
+        for bits in bits_options:
+            c = replace(s, rank=r or 1, lowrank=r is not None, bits=bits)
+            rb = round_bytes(c, views)
+            if rb["views_rank_too_large"]:
+                continue
+            t = dilocox_comm_seconds(c, rb)
+            h = max(h_min, math.ceil(t / t_step * (1 + margin)))
+            if h_max is not None and h > h_max:
+                continue
+            key = (h, -(r or math.inf), -bits)
+            tried.append({"rank": r, "bits": bits, "h": h, "comm_seconds": t})
+            if best is None or key < best[0]:
+                best = (key, r, bits, h)
+    if best is None:
+        return {"feasible": False, "reason": f"no rank/bits hides the transfer with H <= {h_max}"}
+    _, r, bits, h = best
+    chosen = replace(s, h=h, rank=r or 1, lowrank=r is not None, bits=bits)
+    return {"feasible": True, "h": h, "rank": r, "bits": bits, "prediction": predict(chosen),
+            "candidates": sorted(tried, key=lambda x: (x["h"], -(x["rank"] or math.inf), -x["bits"]))}
