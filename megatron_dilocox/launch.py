@@ -59,11 +59,14 @@ def _pump(stream, prefix: str, log: ClusterLog, echo: bool, filter_re):
 def run(clusters: int, nproc: int, megatron_args: list[str], dilocox_args: list[str] | None = None,
         env: dict | None = None, timeout: float = 3600, echo: bool = True, echo_filter: str | None = None,
         module: str = "megatron_dilocox.pretrain_gpt", per_cluster_args: dict | None = None,
-        nproc_by_cluster: dict | None = None) -> tuple[list[int], list[ClusterLog]]:
+        nproc_by_cluster: dict | None = None, prefix_by_cluster: dict | None = None,
+        env_by_cluster: dict | None = None, rendezvous_host: str = "127.0.0.1") -> tuple[list[int], list[ClusterLog]]:
     """Start every cluster, wait for all; return (exit codes, parsed logs).
 
-    ``per_cluster_args``: {cluster: extra flags} (tests use it to make clusters disagree)."""
-    rendezvous = f"127.0.0.1:{free_port()}"
+    ``per_cluster_args``: {cluster: extra flags} (tests use it to make clusters disagree);
+    ``prefix_by_cluster``: {cluster: command prefix}, e.g. ``ip netns exec dlx1`` to put a cluster behind
+    an emulated WAN link (then ``rendezvous_host`` is cluster 0's address on that link)."""
+    rendezvous = f"{rendezvous_host}:{free_port()}"
     base_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     base_env.setdefault("DILOCOX_SECRET", secrets.token_hex(16))  # same for every cluster of this run
     base_env.update(env or {})
@@ -71,13 +74,15 @@ def run(clusters: int, nproc: int, megatron_args: list[str], dilocox_args: list[
     filter_re = re.compile(echo_filter) if echo_filter else None
     for c in range(clusters):
         n = (nproc_by_cluster or {}).get(c, nproc)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
+        cmd = list((prefix_by_cluster or {}).get(c, []))
+        cmd += [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module]
         cmd += [a.replace("{cluster}", str(c)) for a in megatron_args] + list((per_cluster_args or {}).get(c, []))
         if dilocox_args is not None:
             cmd += ["--dilocox", "--dilocox-num-clusters", str(clusters), "--dilocox-cluster-id", str(c),
                     "--dilocox-rendezvous", rendezvous] + [a.replace("{cluster}", str(c)) for a in dilocox_args]
-        p = subprocess.Popen(cmd, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        p = subprocess.Popen(cmd, env=dict(base_env, **(env_by_cluster or {}).get(c, {})),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
         log = ClusterLog()
         t = threading.Thread(target=_pump, args=(p.stdout, f"[cluster {c}] ", log, echo, filter_re), daemon=True)
