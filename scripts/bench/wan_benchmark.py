@@ -1,0 +1,263 @@
+"""Side-by-side on a shaped link: AllReduce vs DiLoCo vs DiLoCo+compression vs DiLoCoX vs no communication.
+
+One invocation, the same small GPT (the main job's: 4 layers, hidden 128, TP1 PP2 per cluster), the same
+KJV corpus, the same tokens per method, 2 clusters each in its own network namespace behind a tbf-shaped
+link (scripts/wan/wan.py). Methods:
+
+  ceiling      each cluster trains alone (no inter-cluster traffic): the throughput ceiling
+  allreduce    ONE Megatron world spanning both namespaces (PP2 inside a cluster, DP2 across the link,
+               --use-tp-pp-dp-mapping): gradients all-reduced over the shaped link every step
+  diloco       --dilocox-overlap none, no compression (OpenDiLoCo / prime behaviour)
+  diloco_comp  --dilocox-overlap none, low-rank + int4 (compression without overlap)
+  dilocox      one-step delay + adaptive rank and H (the product's default)
+
+Link rate: by default it is set so that a dense fp32 all-reduce of this model takes --paper-ratio times
+one inner step (the ratio the cost model gives for 107B over 1 Gbps, `python -m megatron_dilocox.sim
+--paper`: 3430 s of AllReduce per 10.55 s step, 325x), computed from the ceiling run's measured step time
+and the model's parameter count. At such a ratio AllReduce needs minutes per step, so its *throughput* is
+measured over --allreduce-steps steps on the shaped link, and its *loss at equal tokens* comes from the
+same synchronous run on an unshaped link (the arithmetic of synchronous data parallelism does not depend
+on the link). Everything else runs the full --iters on the shaped link.
+
+    .venv/bin/python scripts/bench/wan_benchmark.py [--quick] [--iters 100] [--rate 2mbit] [--out runs/bench]
+
+Prints a table (tokens/s, ratios to AllReduce and to the ceiling, validation loss and gap to AllReduce,
+bytes per round and in total vs dense fp32, exposed communication), writes JSON and PNG plots. --quick
+checks the invariants (DiLoCoX sends >= 50x fewer bytes than AllReduce and beats its tokens/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts", "wan"))
+
+from megatron_dilocox.data.prepare import prepare  # noqa: E402
+from megatron_dilocox.launch import run  # noqa: E402
+from megatron_dilocox.local_launch import free_port  # noqa: E402
+from megatron_dilocox.main_job import gpt_flags  # noqa: E402
+from megatron_dilocox.metrics import read_rows  # noqa: E402
+from wan import WanTestbed  # noqa: E402
+
+SEQ = 128
+GLOO_IF = {"GLOO_SOCKET_IFNAME": "wan0"}  # the cluster's uplink inside its namespace
+
+
+def steady_ms(log, skip=1):
+    """Mean of Megatron's per-iteration time over the logged intervals after the first ``skip``."""
+    its = sorted(log.iter_ms)
+    vals = [log.iter_ms[i] for i in its[skip:]] or [log.iter_ms[i] for i in its]
+    return sum(vals) / len(vals)
+
+
+def curve(log):
+    return sorted(log.losses.items())
+
+
+def cluster_run(wan, name, flags, dilocox, out, clusters=2, timeout=3600):
+    """Run every cluster in its own namespace; return (logs, metrics rows)."""
+    mdir = os.path.join(out, name)
+    os.makedirs(mdir, exist_ok=True)
+    dl = None if dilocox is None else dilocox + ["--dilocox-metrics-file", os.path.join(mdir, "metrics_c{cluster}.jsonl")]
+    t0 = time.time()
+    codes, logs = run(clusters, 2, flags, dilocox_args=dl, timeout=timeout, echo=False,
+                      prefix_by_cluster={c: wan.prefix(c) for c in range(clusters)},
+                      env_by_cluster={c: GLOO_IF for c in range(clusters)}, rendezvous_host=wan.addr(0))
+    if any(codes):
+        tail = "\n".join("\n".join([ln for ln in log.lines if "Error" in ln or "error" in ln][:10] + log.lines[-8:])
+                         for log in logs)
+        raise SystemExit(f"{name} failed ({codes}):\n{tail}")
+    rows = [] if dilocox is None else [r for c in range(clusters) for r in read_rows(os.path.join(mdir, f"metrics_c{c}.jsonl"))]
+    return logs, rows, time.time() - t0
+
+
+def allreduce_run(wan, flags, iters, timeout=3600, shaped=True):
+    """One Megatron world over both namespaces: node k = cluster k's namespace (2 ranks each)."""
+    import subprocess
+    import threading
+
+    from megatron_dilocox.launch import ClusterLog, _pump
+    port = free_port()
+    procs, logs, threads = [], [], []
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **GLOO_IF)
+    for k in range(2):
+        cmd = (wan.prefix(k) if shaped else []) + [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
+            "--nproc-per-node", "2", "--master-addr", wan.addr(0) if shaped else "127.0.0.1",
+            "--master-port", str(port), "-m", "megatron_dilocox.pretrain_gpt", *flags]
+        p = subprocess.Popen(cmd, env=env if shaped else {k2: v for k2, v in env.items() if k2 != "GLOO_SOCKET_IFNAME"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        log = ClusterLog()
+        t = threading.Thread(target=_pump, args=(p.stdout, "", log, False, None), daemon=True)
+        t.start()
+        procs.append(p)
+        logs.append(log)
+        threads.append(t)
+    codes = [p.wait(timeout=timeout) for p in procs]
+    for t in threads:
+        t.join(timeout=5)
+    if any(codes):
+        raise SystemExit("allreduce failed:\n" + "\n".join("\n".join(log.lines[-25:]) for log in logs))
+    return next(log for log in logs if log.losses)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI size: few iterations, milder link ratio")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--h", type=int, default=None)
+    ap.add_argument("--rate", default=None, help="link rate (e.g. 2mbit); default: from --paper-ratio")
+    ap.add_argument("--paper-ratio", type=float, default=None,
+                    help="dense fp32 all-reduce time / inner step time to emulate (default 325; --quick 20)")
+    ap.add_argument("--allreduce-steps", type=int, default=None, help="AllReduce steps timed on the shaped link")
+    ap.add_argument("--data", default=os.path.join(REPO, "data", "kjv"))
+    ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "wan"))
+    a = ap.parse_args()
+    iters = a.iters or (20 if a.quick else 100)
+    h = a.h or (5 if a.quick else 10)
+    ratio = a.paper_ratio or (20.0 if a.quick else 325.0)
+    ar_steps = a.allreduce_steps or (3 if a.quick else 6)
+    os.makedirs(a.out, exist_ok=True)
+    prepare(a.data, num_clusters=2)
+    per_cluster = gpt_flags(a.data, iters, 1, 2) + ["--log-interval", "5"]
+    results, curves = {}, {}
+    tokens_per_iter = 8 * SEQ  # per cluster (global batch 8)
+
+    with WanTestbed(2, a.rate or "1000mbit") as wan:
+        # 1) ceiling: both clusters at once, no inter-cluster traffic at all
+        logs, _, wall = cluster_run(wan, "ceiling", per_cluster, None, a.out)
+        step_s = max(steady_ms(log) for log in logs) / 1000.0
+        results["ceiling"] = dict(tokens_per_s=sum(tokens_per_iter / (steady_ms(log) / 1000) for log in logs),
+                                  valid_loss=sum(log.valid_losses[-1] for log in logs) / 2, bytes_total=0,
+                                  exposed_comm_seconds=0.0, wall_seconds=wall)
+        curves["ceiling"] = curve(logs[0])
+
+        # 2) DiLoCoX full on the link chosen from the measured step time
+        diloco_base = ["--dilocox-h", str(h), "--dilocox-lowrank-min-dim", "64", "--dilocox-no-adaptive-h"]
+        probe_logs, probe_rows, _ = cluster_run(wan, "probe", gpt_flags(a.data, h, 1, 2) + ["--log-interval", "5", "--lr-warmup-iters", "0"],
+                                               diloco_base + ["--dilocox-no-lowrank", "--dilocox-quant-bits", "32",
+                                                              "--dilocox-overlap", "none"], a.out)
+        dense_per_allreduce = sum(r["bytes_dense_fp32"] for r in probe_rows if r["round"] == 1)  # both clusters
+        per_link_bytes = dense_per_allreduce / 2  # each cluster's uplink carries its own share
+        rate_bits = per_link_bytes * 8 / (ratio * step_s)
+        rate = a.rate or f"{max(rate_bits / 1e3, 8):.0f}kbit"
+        wan.set_rate(rate)
+        print(f"# step {step_s * 1000:.0f} ms; dense fp32 all-reduce {dense_per_allreduce / 1e6:.2f} MB "
+              f"({per_link_bytes / 1e6:.2f} MB per uplink); link {rate} => AllReduce/step ratio ~{ratio:.0f}", flush=True)
+
+        methods = {
+            "diloco": diloco_base + ["--dilocox-overlap", "none", "--dilocox-no-lowrank", "--dilocox-quant-bits", "32"],
+            "diloco_comp": diloco_base + ["--dilocox-overlap", "none", "--dilocox-lowrank-rank", "8",
+                                          "--dilocox-quant-bits", "4"],
+            "dilocox": ["--dilocox-h", str(h), "--dilocox-lowrank-min-dim", "64", "--dilocox-lowrank-rank", "8",
+                        "--dilocox-quant-bits", "4"],
+        }
+        for name, dl in methods.items():
+            logs, rows, wall = cluster_run(wan, name, per_cluster, dl, a.out)
+            rounds = max(r["round"] for r in rows)
+            results[name] = dict(
+                tokens_per_s=sum(tokens_per_iter / (steady_ms(log) / 1000) for log in logs),
+                valid_loss=logs[0].valid_losses[-1], bytes_total=sum(r["bytes_sent"] for r in rows),
+                bytes_per_round=sum(r["bytes_sent"] for r in rows) / rounds,
+                dense_per_round=sum(r["bytes_dense_fp32"] for r in rows) / rounds,
+                exposed_comm_seconds=sum(r["exposed_comm_seconds"] for r in rows) / 2,
+                comm_seconds=sum(r["comm_seconds"] for r in rows) / 2, rounds=rounds, wall_seconds=wall,
+                final_H=max(r["next_H"] for r in rows), final_rank=max(r["next_lowrank_rank"] for r in rows))
+            curves[name] = curve(logs[0])
+
+        # 3) AllReduce: throughput on the shaped link over a few steps; loss from the same run unshaped
+        ar_flags = gpt_flags(a.data, ar_steps, 1, 2) + ["--log-interval", "1", "--use-tp-pp-dp-mapping",
+                                                        "--lr-warmup-iters", "0",
+                                                        "--global-batch-size", "16",
+                                                        "--train-data-path", f"{a.data}/train_all_text_document"]
+        t0 = time.time()
+        shaped = allreduce_run(wan, ar_flags, ar_steps)
+        ar_ms = steady_ms(shaped, skip=1)
+        full_flags = gpt_flags(a.data, iters, 1, 2) + ["--log-interval", "5", "--use-tp-pp-dp-mapping",
+                                                       "--global-batch-size", "16",
+                                                       "--train-data-path", f"{a.data}/train_all_text_document"]
+        unshaped = allreduce_run(wan, full_flags, iters, shaped=False)
+        results["allreduce"] = dict(tokens_per_s=2 * tokens_per_iter / (ar_ms / 1000), valid_loss=unshaped.valid_losses[-1],
+                                    bytes_total=dense_per_allreduce * iters, bytes_per_round=dense_per_allreduce,
+                                    dense_per_round=dense_per_allreduce,
+                                    exposed_comm_seconds=max(0.0, ar_ms / 1000 - step_s) * iters,
+                                    wall_seconds=time.time() - t0, timed_steps=ar_steps)
+        curves["allreduce"] = curve(unshaped)
+
+    ar = results["allreduce"]
+    print(f"\n{'method':12s} {'tok/s':>9s} {'xAR':>7s} {'xceil':>6s} {'val loss':>9s} {'gap':>7s} "
+          f"{'B/round':>10s} {'B total':>11s} {'x fewer':>8s} {'exposed s':>9s}")
+    for name in ("allreduce", "diloco", "diloco_comp", "dilocox", "ceiling"):
+        r = results[name]
+        r["ratio_vs_allreduce"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        r["ratio_vs_ceiling"] = r["tokens_per_s"] / results["ceiling"]["tokens_per_s"]
+        r["loss_gap_vs_allreduce"] = (r["valid_loss"] - ar["valid_loss"]) / ar["valid_loss"]
+        r["bytes_fewer_than_allreduce"] = ar["bytes_total"] / r["bytes_total"] if r["bytes_total"] else float("inf")
+        print(f"{name:12s} {r['tokens_per_s']:9.0f} {r['ratio_vs_allreduce']:7.2f} {r['ratio_vs_ceiling']:6.2f} "
+              f"{r['valid_loss']:9.4f} {100 * r['loss_gap_vs_allreduce']:6.2f}% {r.get('bytes_per_round', 0):10.0f} "
+              f"{r['bytes_total']:11.0f} {r['bytes_fewer_than_allreduce']:8.1f} {r['exposed_comm_seconds']:9.2f}")
+    predicted = predict_testbed(step_s, rate_bits if not a.rate else None, a.rate, h)
+    print("\ncost model for this testbed (python -m megatron_dilocox.sim) vs measured, speed-up over AllReduce:")
+    for name in ("diloco", "dilocox"):
+        key = "speedup_vs_allreduce" if name == "dilocox" else "diloco_speedup_vs_allreduce"
+        print(f"  {name:8s} predicted {predicted[key]:7.2f}x   measured {results[name]['ratio_vs_allreduce']:7.2f}x")
+    meta = dict(iters=iters, h=h, rate=rate, paper_ratio=ratio, step_seconds=step_s, predicted=predicted,
+                dense_fp32_per_allreduce=dense_per_allreduce, tokens_per_method=2 * tokens_per_iter * iters)
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results, curves=curves), f, indent=1)
+    plot(a.out, results, curves, tokens_per_iter)
+    if a.quick:
+        d = results["dilocox"]
+        assert d["bytes_fewer_than_allreduce"] >= 50, d["bytes_fewer_than_allreduce"]
+        assert d["tokens_per_s"] > ar["tokens_per_s"], (d["tokens_per_s"], ar["tokens_per_s"])
+        print("quick invariants: ok")
+
+
+def predict_testbed(step_s, rate_bits, rate_text, h):
+    """The cost model's prediction for this exact testbed (small GPT, TP1 PP2, 2 clusters, this link)."""
+    from megatron_dilocox.sim.cost_model import Setup, predict
+    if rate_bits is None:
+        from wan import parse_rate
+        rate_bits = parse_rate(rate_text)
+    s = Setup(hidden=128, layers=4, ffn=512, vocab=4096, heads=4, swiglu=False, tied_embeddings=True, bias=True,
+              clusters=2, tp=1, pp=2, dp=1, distributed_optimizer=False,
+              tokens_per_gpu_s=8 * SEQ / (step_s * 2), global_batch_tokens=2 * 8 * SEQ,
+              link_gbps=rate_bits / 1e9, h=h, rank=8, bits=4, block=128, min_dim=64)
+    p = predict(s)
+    return {"speedup_vs_allreduce": p["speedup_vs_allreduce"],
+            "diloco_speedup_vs_allreduce": p["diloco_speedup_vs_allreduce"], "params": p["params"]}
+
+
+def plot(out, results, curves, tokens_per_iter):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for name, pts in curves.items():
+        scale = 2  # tokens per iteration across both clusters (AllReduce: one batch of twice the size)
+        ax[0].plot([i * tokens_per_iter * scale for i, _ in pts], [v for _, v in pts], label=name)
+        tps = results[name]["tokens_per_s"]
+        ax[1].plot([i * tokens_per_iter * scale / tps for i, _ in pts], [v for _, v in pts], label=name)
+    ax[0].set(xlabel="tokens", ylabel="train loss", title="loss vs tokens")
+    ax[1].set(xlabel="seconds (at measured tokens/s)", ylabel="train loss", title="loss vs wall time")
+    names = [n for n in results if results[n]["bytes_total"]]
+    ax[2].bar(names, [results[n]["bytes_total"] for n in names])
+    ax[2].set(yscale="log", ylabel="bytes sent (total)", title="bytes per method")
+    for x in ax[:2]:
+        x.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "wan_benchmark.png"), dpi=110)
+    print(f"plots: {os.path.join(out, 'wan_benchmark.png')}")
+
+
+if __name__ == "__main__":
+    main()
