@@ -24,6 +24,6 @@ def test_wan_benchmark_quick(tmp_path, kjv):
     r = out["results"]
     assert r["dilocox"]["bytes_fewer_than_allreduce"] >= 50
     assert r["dilocox"]["tokens_per_s"] > r["allreduce"]["tokens_per_s"]
-    assert r["dilocox"]["bytes_total"] == r["diloco_comp"]["bytes_total"] < r["diloco"]["bytes_total"]
+    assert max(r["dilocox"]["bytes_total"], r["diloco_comp"]["bytes_total"]) * 50 <= r["diloco"]["bytes_total"]
     assert out["meta"]["predicted"]["speedup_vs_allreduce"] > 1
     assert (tmp_path / "wan_benchmark.png").stat().st_size > 10_000
