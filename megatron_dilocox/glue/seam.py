@@ -98,10 +98,10 @@ class DiLoCoXOptimizer:
         for leaf in self.leaves:
             if getattr(leaf, "is_stub_optimizer", False):
                 continue
-            if hasattr(leaf, "_copy_main_params_to_model_params") and hasattr(leaf, "fp32_from_float16_groups") \
-                    or hasattr(leaf, "shard_fp32_from_float16_groups"):
+            distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
+            if distributed or hasattr(leaf, "fp32_from_float16_groups"):  # main params are copies: copy back
                 leaf._copy_main_params_to_model_params()
-            if hasattr(leaf, "shard_fp32_from_float16_groups") and not leaf.ddp_config.overlap_param_gather:
+            if distributed and not leaf.ddp_config.overlap_param_gather:
                 for chunk in leaf.model_chunks:
                     chunk.start_param_sync(force_sync=True)
 
