@@ -51,7 +51,8 @@ class DiLoCoXConfig:
 
     # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
     outer_lr: float = knob(0.7, "outer learning rate")
-    outer_momentum: float = knob(0.9, "outer momentum")
+    outer_momentum: Optional[float] = knob(None, "outer momentum (default: 0.9 with overlap none, 0.5 with "
+                                                 "one-step-delay, where a stale delta meets high momentum)")
     outer_nesterov: bool = knob(True, "Nesterov momentum for the outer step")
     outer_state_device: str = knob("cpu", "where anchor, momentum and round start live: cpu or param "
                                           "(beside the parameters)")
@@ -83,6 +84,15 @@ class DiLoCoXConfig:
     @property
     def resolved_h_max(self) -> int:
         return max(4 * self.h, self.resolved_h_min) if self.h_max is None else self.h_max
+
+    @property
+    def resolved_outer_momentum(self) -> float:
+        """0.9 (DiLoCo's value) without overlap; 0.5 with the one-step delay. Measured on the main job's
+        model (60 iterations, H=10, rank 8 int4): delay at 0.9 ended at validation loss 6.07, at 0.5 at
+        5.52 (no overlap at 0.9: 5.70): momentum applied to one-round-stale deltas overshoots."""
+        if self.outer_momentum is not None:
+            return self.outer_momentum
+        return 0.9 if self.overlap == "none" else 0.5
 
     @property
     def resolved_rank_min(self) -> int:
@@ -134,7 +144,7 @@ class DiLoCoXConfig:
 
         if not (isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr) and self.outer_lr > 0):
             fail("outer_lr", f"must be a positive finite number, got {self.outer_lr!r}")
-        if not (0.0 <= self.outer_momentum < 1.0):
+        if not (0.0 <= self.resolved_outer_momentum < 1.0):
             fail("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
         if self.outer_state_device not in OUTER_STATE_DEVICES:
             fail("outer_state_device", f"must be one of {', '.join(OUTER_STATE_DEVICES)}, "

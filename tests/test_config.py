@@ -51,6 +51,10 @@ def test_defaults_and_resolved_bounds():
     assert (cfg.resolved_h_min, cfg.h, cfg.resolved_h_max) == (50, 50, 200)
     assert (cfg.resolved_rank_min, cfg.lowrank_rank, cfg.resolved_rank_max) == (1, 16, 16)
     assert cfg.overlap == "one-step-delay" and cfg.quant_bits == 4
+    # outer momentum: 0.5 under the one-step delay, DiLoCo's 0.9 without overlap, unless given
+    assert cfg.resolved_outer_momentum == 0.5
+    assert DiLoCoXConfig(overlap="none").resolved_outer_momentum == 0.9
+    assert DiLoCoXConfig(outer_momentum=0.0).resolved_outer_momentum == 0.0
 
 
 def test_secret_comes_from_environment_and_never_leaves_public_views(monkeypatch):

@@ -82,7 +82,7 @@ class DiLoCoXSync:
         for p, v in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
             p.copy_(v.view_as(p))
         self.anchor = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
-        self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.outer_nesterov)
+        self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
         self.round_start = [a.clone() for a in self.anchor] if self.delayed else self.anchor
         self._last_hook = time.perf_counter()
         return self
@@ -240,7 +240,7 @@ class DiLoCoXSync:
         self.round, self.steps_in_round, self.iteration = state["round"], state["steps_in_round"], state["iteration"]
         self.h, self.comm_seconds_prev, self.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
         self.anchor = [a.to(self.outer_device, torch.float32).clone() for a in state["anchor"]]
-        self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.outer_nesterov)
+        self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
         self.outer.load_state_dict(state["outer"])
         self.round_start = ([s.to(self.outer_device, torch.float32).clone() for s in state["round_start"]]
                             if self.delayed else self.anchor)
