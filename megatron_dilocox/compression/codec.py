@@ -125,7 +125,7 @@ class PseudoGradientCodec:
         result = ExchangeResult(round=round_idx, deltas=None, status="applied", num_clusters=C,
                                 rank=self.rank, next_rank=self.rank, local_ok=local_ok,
                                 bytes_dense_fp32=dense_allreduce_bytes(sum(self.numels), C),
-                                pseudo_grad_norm=_norm([d.float() for d in deltas]))
+                                pseudo_grad_norm=_norm(deltas))
 
         def finish(status: Optional[str] = None) -> ExchangeResult:
             result.bytes_sent = coll.counter.sent - sent0
@@ -249,4 +249,8 @@ class PseudoGradientCodec:
 
 
 def _norm(tensors) -> float:
-    return math.sqrt(sum(float((t.float() * t.float()).sum()) for t in tensors))
+    total = 0.0
+    for t in tensors:
+        f = t.float()  # one fp32 copy per tensor (none when already fp32), squared once
+        total += float((f * f).sum())
+    return math.sqrt(total)

@@ -83,7 +83,7 @@ class DiLoCoXSync:
             p.copy_(v.view_as(p))
         self.anchor = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
         self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
-        self.round_start = [a.clone() for a in self.anchor] if self.delayed else self.anchor
+        self._restart_round_at_anchor()
         self._last_hook = time.perf_counter()
         return self
 
@@ -138,7 +138,7 @@ class DiLoCoXSync:
             result = self.wait()
             self._apply(result, exposed=time.perf_counter() - t0, adapt=False)
             self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])
-            self.round_start = [a.clone() for a in self.anchor] if self.delayed else self.anchor
+            self._restart_round_at_anchor()
 
     def close(self):
         if self._in_flight is not None:
@@ -178,6 +178,10 @@ class DiLoCoXSync:
         h, rank = (int(v) for v in self.intra.reduce([h, result.next_rank], "max"))
         self.h = h
         self.codec.set_rank(rank, result.round)
+
+    def _restart_round_at_anchor(self):
+        """The next δ is measured from φ (in none mode the round start *is* the anchor)."""
+        self.round_start = [a.clone() for a in self.anchor] if self.delayed else self.anchor
 
     def _set_params(self, values):
         for p, v in zip(self.params, values):
