@@ -15,6 +15,7 @@ from typing import Optional
 OVERLAP_MODES = ("none", "one-step-delay")
 QUANT_BITS = (4, 8, 16, 32)
 OUTER_STATE_DEVICES = ("cpu", "param")
+PEER_FAILURE_POLICIES = ("stop", "continue")
 SECRET_ENV = "DILOCOX_SECRET"
 
 
@@ -39,6 +40,8 @@ class DiLoCoXConfig:
     rendezvous: Optional[str] = knob(None, "HOST:PORT of the rendezvous store on cluster 0's first node")
     secret: Optional[str] = knob(None, "shared secret; from $DILOCOX_SECRET, never a flag", repr=False)
     timeout_seconds: float = knob(600.0, "rendezvous and inter-cluster collective timeout, seconds")
+    on_peer_failure: str = knob("stop", "when a cluster is lost mid-run: stop (drop the round, checkpoint, exit "
+                                        "non-zero naming it) or continue (survivors carry on; it may rejoin)")
 
     # Rounds: H inner steps per outer round, adapted within [h_min, h_max].
     h: int = knob(50, "inner steps per outer round (initial H)")
@@ -129,6 +132,9 @@ class DiLoCoXConfig:
                 fail("secret", f"is required with more than one cluster: set ${SECRET_ENV} on every cluster")
         if not (isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds > 0):
             fail("timeout_seconds", f"must be a positive number of seconds, got {self.timeout_seconds!r}")
+
+        if self.on_peer_failure not in PEER_FAILURE_POLICIES:
+            fail("on_peer_failure", f"must be one of {', '.join(PEER_FAILURE_POLICIES)}, got {self.on_peer_failure!r}")
 
         need_int("h", 1)
         for name in ("h_min", "h_max"):
