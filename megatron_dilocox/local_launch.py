@@ -43,13 +43,19 @@ def _entry(fn, cluster_id, local_rank, ranks_per_cluster, master_port, args, que
 
 def run_clusters(fn: Callable, num_clusters: int, ranks_per_cluster: int = 1, args: tuple = (),
                  per_cluster_args: Callable[[int], tuple] | None = None, timeout: float = 300,
-                 env: dict | None = None) -> dict[tuple[int, int], Any]:
+                 env: dict | None = None, may_die: tuple = ()) -> dict[tuple[int, int], Any]:
     """Call ``fn(cluster_id, local_rank, *args)`` in every process; return {(cluster, rank): result}.
 
-    Raises RuntimeError with each failing process's traceback if any process fails or times out."""
+    ``may_die``: clusters whose processes are expected to be killed (fault tests); they are left out of
+    the result when they die without a report. Raises RuntimeError with each failing process's
+    traceback if any other process fails, dies or times out."""
+    import queue as queue_mod
+    import time
+
+    import torch
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = []
+    procs = {}
     for c in range(num_clusters):
         port = free_port()
         cargs = per_cluster_args(c) if per_cluster_args else args
@@ -57,36 +63,42 @@ def run_clusters(fn: Callable, num_clusters: int, ranks_per_cluster: int = 1, ar
             p = ctx.Process(target=_entry, args=(fn, c, r, ranks_per_cluster, port, cargs, queue, env or {}),
                             daemon=True)
             p.start()
-            procs.append(p)
+            procs[(c, r)] = p
+    started = list(procs.values())
     results, errors = {}, []
-    import queue as queue_mod
-    import time
     deadline = time.monotonic() + timeout
+
+    def take(item):
+        c, r, status, value = item
+        procs.pop((c, r), None)
+        if status == "ok":
+            results[(c, r)] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            errors.append(f"cluster {c} rank {r}: {value}")
     try:
-        while len(results) + len(errors) < len(procs):
+        while procs:
             try:
-                c, r, status, value = queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = sum(1 for p in procs if not p.is_alive())
-                if dead > len(results) + len(errors) + queue.qsize():  # died without reporting
-                    time.sleep(1.0)  # its report may still be in flight
-                    if queue.empty():
-                        errors.append(f"{dead - len(results) - len(errors)} process(es) died without a report")
-                        break
-                if time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout}s waiting for "
-                                  f"{len(procs) - len(results) - len(errors)} process(es)")
-                    break
+                take(queue.get(timeout=1.0))
+                if errors:  # the others are likely blocked on the failed one: a short grace only
+                    deadline = min(deadline, time.monotonic() + 20)
                 continue
-            if status == "ok":
-                import torch
-                results[(c, r)] = torch.load(io.BytesIO(value), weights_only=False)
-            else:
-                errors.append(f"cluster {c} rank {r}: {value}")
-                # the others are likely blocked on the failed one: give them a short grace only
-                deadline = min(deadline, time.monotonic() + 20)
+            except queue_mod.Empty:
+                pass
+            dead = [k for k, p in procs.items() if not p.is_alive()]
+            if dead:
+                time.sleep(1.0)  # a report may still be in flight
+                while not queue.empty():
+                    take(queue.get())
+                for k in dead:
+                    if k in procs:
+                        procs.pop(k)
+                        if k[0] not in may_die:
+                            errors.append(f"cluster {k[0]} rank {k[1]} died without a report")
+            if time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout}s waiting for {sorted(procs)}")
+                break
     finally:
-        for p in procs:
+        for p in started:
             p.join(timeout=5 if not errors else 0.1)
             if p.is_alive():
                 p.kill()

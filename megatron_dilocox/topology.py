@@ -27,6 +27,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from megatron_dilocox.compression.collective import Collective
 from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.membership import Heartbeat, Membership
 
 
 class RendezvousError(RuntimeError):
@@ -65,16 +66,54 @@ def _get(store, key: str, deadline: float, waiting_for: str) -> bytes:
 class InterClusterGroup(Collective):
     """This rank's gloo group with the same local rank in every other cluster."""
 
-    def __init__(self, cfg: DiLoCoXConfig, local_rank: int, store: TCPStore, fingerprint: Optional[dict] = None):
+    def __init__(self, cfg: DiLoCoXConfig, local_rank: int, store: TCPStore, fingerprint: Optional[dict] = None,
+                 local_world: int = 1):
         super().__init__()
         self.cfg = cfg
-        self.rank, self.size = cfg.cluster_id, cfg.num_clusters
+        self.cluster, self.size = cfg.cluster_id, cfg.num_clusters
+        self.rank = self.cluster
         self.local_rank = local_rank
         self.timeout = timedelta(seconds=cfg.timeout_seconds)
-        base = PrefixStore(f"dilocox/lr{local_rank}", store)
-        session = self._authenticate(base)
-        self._check_fingerprints(base, session, fingerprint or {})
-        self.pg = ProcessGroupGloo(PrefixStore(f"pg/{session}", base), self.rank, self.size, self.timeout)
+        self.base = PrefixStore(f"dilocox/lr{local_rank}", store)
+        self.membership = Membership(store, cfg.cluster_id, local_rank, local_world, cfg.num_clusters,
+                                     cfg.timeout_seconds, cfg.on_peer_failure, self._verify_join)
+        # a restarted cluster finds the run in progress (cluster 0 marks it once everyone has joined)
+        self.joining = cfg.cluster_id != 0 and self.base.check(["running"])
+        self.session = self._authenticate(self.base)
+        self._check_fingerprints(self.base, self.session, fingerprint or {})
+        self.admission: Optional[dict] = None
+        if self.joining:
+            self.admission = self.membership.wait_for_admission()
+        elif cfg.cluster_id == 0:
+            self.base.set("running", "1")
+        self._heartbeat = Heartbeat(lambda: connect_store(cfg, host_store=False), cfg.cluster_id) \
+            if local_rank == 0 else None
+        self._form()
+
+    def _form(self):
+        """The gloo group of the current members (a new one per epoch: a group that lost a peer is dead)."""
+        m = self.membership
+        self.rank, self.size = m.members.index(self.cluster), len(m.members)
+        self.pg = ProcessGroupGloo(PrefixStore(f"pg/{self.session}/e{m.epoch}", self.base), self.rank, self.size,
+                                   self.timeout)
+
+    @property
+    def elastic(self) -> bool:
+        return True
+
+    def settle(self, round_idx: int, outcome: str, attempt_end: float) -> dict:
+        return self.membership.settle(round_idx, outcome, attempt_end)
+
+    def reform(self, verdict: dict):
+        self.membership.apply(verdict)
+        self._form()
+
+    def cluster_of(self, rank: int) -> int:
+        return self.membership.members[rank]
+
+    def close(self):
+        if self._heartbeat is not None:
+            self._heartbeat.close()
 
     # ----------------------------------------------------------------------------- rendezvous
     def _authenticate(self, store) -> str:
@@ -87,13 +126,14 @@ class InterClusterGroup(Collective):
                 while True:
                     answer = _get(store, f"auth/{peer}", deadline, f"cluster {peer} did not present a valid secret {late}")
                     nonce, _, proof = answer.decode().partition(":")
-                    if hmac.compare_digest(proof, _mac(secret, "peer", session, peer, nonce)):
-                        store.set(f"verdict/{peer}/{nonce}", "ok:" + _mac(secret, "host", session, peer, nonce))
-                        break
-                    store.set(f"verdict/{peer}/{nonce}", "refused")
+                    ok = self._answer(store, session, peer, answer.decode())
                     store.delete_key(f"auth/{peer}")
+                    if ok:
+                        break
             return session
         session = _get(store, "challenge", deadline, f"cluster 0 did not open the rendezvous {late}").decode()
+        if self.joining:  # the coordinator checks a joiner's proof at its next round boundary
+            deadline = time.monotonic() + self.cfg.timeout_seconds
         nonce = secrets.token_hex(16)
         store.set(f"auth/{me}", f"{nonce}:{_mac(secret, 'peer', session, me, nonce)}")
         verdict = _get(store, f"verdict/{me}/{nonce}", deadline, f"cluster 0 did not answer {late}").decode()
@@ -104,6 +144,22 @@ class InterClusterGroup(Collective):
             raise RendezvousError("DiLoCoX rendezvous: cluster 0 could not prove the shared secret; "
                                   "the rendezvous address may not be your cluster 0, or the secrets differ")
         return session
+
+    def _answer(self, store, session: str, peer: int, answer: str) -> bool:
+        """(Cluster 0) check a peer's proof; post the verdict, with our own proof when it is right."""
+        nonce, _, proof = answer.partition(":")
+        ok = hmac.compare_digest(proof, _mac(self.cfg.secret, "peer", session, peer, nonce))
+        store.set(f"verdict/{peer}/{nonce}", "ok:" + _mac(self.cfg.secret, "host", session, peer, nonce)
+                  if ok else "refused")
+        return ok
+
+    def _verify_join(self, peer: int, local_rank: int):
+        """(Coordinator, mid-run) answer a restarted cluster's local rank, if it has asked."""
+        store = PrefixStore(f"dilocox/lr{local_rank}", self.base.underlying_store)
+        if store.check([f"auth/{peer}"]):
+            answer = store.get(f"auth/{peer}").decode()
+            store.delete_key(f"auth/{peer}")
+            self._answer(store, store.get("challenge").decode(), peer, answer)
 
     def _check_fingerprints(self, store, session: str, fingerprint: dict):
         deadline = time.monotonic() + self.cfg.timeout_seconds
@@ -120,7 +176,7 @@ class InterClusterGroup(Collective):
             problems += [f"{k}: cluster 0 has {reference.get(k)!r}, cluster {peer} has {theirs.get(k)!r}" for k in diff]
         # cluster 0 hosts the store for local rank 0: it must not leave before every peer has read
         store.add(f"fingerprint/{session}/read", 1)
-        if self.rank == 0:
+        if self.rank == 0 and not self.joining:
             while store.add(f"fingerprint/{session}/read", 0) < self.size and time.monotonic() < deadline:
                 time.sleep(0.05)
         if problems:

@@ -184,8 +184,10 @@ def test_payload_of_wrong_shape_is_refused_without_touching_the_model():
               dilocox=spec(C, h=2, overlap="none", lowrank_rank=2, lowrank_min_dim=8, quant_bits=8))
     for c in range(C):
         out = res[(c, 0)]
-        assert out["error"].startswith("PayloadError: refused payload: cluster ")
-        assert "different parameter layout" in out["error"]
+        # refused identically on both clusters (the coordinator's verdict), and the run stops
+        assert out["error"].startswith("DiLoCoX round 1 stopped: refused payload: cluster 1 has a different "
+                                       "parameter layout or compression settings"), out["error"]
+        assert out["rows"][-1]["status"].startswith("stopped: refused payload: cluster 1")
         # the anchor is still the broadcast initial model: nothing was applied
         assert all(torch.equal(a, s) for a, s in zip(out["final_anchor"], out["start_params"]))
 

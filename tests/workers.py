@@ -6,6 +6,8 @@ data. Every process returns plain tensors/dicts for the parent test to check.
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch
@@ -51,14 +53,20 @@ class SlowGroup(InterClusterGroup):
         return super()._all_gather(buf)
 
 
-def train_worker(cluster: int, local_rank: int, spec: dict) -> dict:
-    """Run spec['steps'] inner steps with DiLoCoX; return per-round rows, anchors and losses."""
+def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
+    """Run spec['steps'] inner steps with DiLoCoX; return per-round rows, anchors and losses.
+
+    Fault tests: ``die`` = {"slot", "step"} SIGKILLs that slot's processes before that step;
+    ``as_cluster`` = {slot: cluster} starts a slot as another cluster's restart (after ``start_delay``)."""
+    cluster = int(spec.get("as_cluster", {}).get(str(slot), slot))
+    time.sleep(spec.get("start_delay", {}).get(str(slot), 0.0))
     cfg = DiLoCoXConfig(cluster_id=cluster, **spec["dilocox"]).validate()
     store = connect_store(cfg, host_store=(cluster == 0 and local_rank == 0))
     group_cls = SlowGroup if spec.get("slow_gather") else InterClusterGroup
     SlowGroup.delay = spec.get("slow_gather", 0.0)
     fingerprint = dict(spec.get("fingerprint", {}), **spec.get("fingerprint_by_cluster", {}).get(str(cluster), {}))
-    group = group_cls(cfg, local_rank, store, fingerprint=fingerprint)
+    group = group_cls(cfg, local_rank, store, fingerprint=fingerprint,
+                      local_world=torch.distributed.get_world_size())
     model = make_model(spec.get("init_seed", 0) + 17 * cluster + local_rank)  # cluster 0's init must win
     if spec.get("wrong_shape_on_cluster") == cluster:
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN + 1), torch.nn.Tanh(), torch.nn.Linear(HIDDEN + 1, OUT))
@@ -66,9 +74,13 @@ def train_worker(cluster: int, local_rank: int, spec: dict) -> dict:
     metrics = MetricsWriter(spec.get("metrics_dir") and f"{spec['metrics_dir']}/metrics_c{cluster}.jsonl")
     sync = DiLoCoXSync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics).start()
     out = {"rows": [], "anchors": [], "params": [], "losses": [], "step_times": [], "error": None,
+           "cluster": cluster, "joined_midrun": sync.joined_midrun, "first_iteration": sync.iteration,
            "start_params": [p.detach().clone() for p in model.parameters()]}
+    die = spec.get("die", {})
     try:
-        for step in range(spec["steps"]):
+        for step in range(sync.iteration, spec["steps"]):
+            if die.get("slot") == slot and die.get("step") == step:
+                os.kill(os.getpid(), signal.SIGKILL)
             if spec.get("nan_at_step") is not None and cluster == spec.get("nan_cluster") \
                     and step == spec["nan_at_step"]:
                 with torch.no_grad():
@@ -85,9 +97,13 @@ def train_worker(cluster: int, local_rank: int, spec: dict) -> dict:
                 out["params"].append([p.detach().clone() for p in model.parameters()])
             out["losses"].append(float(loss.detach()))
             out["step_times"].append(time.time())
-        if spec.get("finalize", True):
+            if sync.stopped:
+                out["error"] = sync.stopped
+                break
+        if spec.get("finalize", True) and not sync.stopped:
             sync.finalize()
         out["final_params"] = [p.detach().clone() for p in model.parameters()]
+        out["final_hash"] = sync.model_hash()
         out["final_anchor"] = [a.clone() for a in sync.anchor]
     except Exception as exc:  # the test asserts on the message; the model must be untouched by a refused round
         out["error"] = f"{type(exc).__name__}: {exc}"

@@ -56,6 +56,7 @@ class ExchangeResult:
     peer_step_seconds: float = 0.0  # max over clusters of the mean inner-step time
     comm_seconds: float = 0.0  # wall time of this exchange (set by the caller that timed it)
     local_ok: bool = True
+    lost: list = field(default_factory=list)  # clusters lost in this round (status "stopped: ...")
 
 
 @dataclass
@@ -139,7 +140,7 @@ class PseudoGradientCodec:
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
                                comm_seconds_prev, step_seconds, 0.0], dtype=torch.float64)
         headers = [bytes_as(h, torch.float64) for h in coll.all_gather(header.view(torch.uint8))]
-        self._check_headers(headers, header, coll.rank)
+        self._check_headers(headers, header, coll)
         result.peer_comm_seconds = max(float(h[5]) for h in headers)
         result.peer_step_seconds = max(float(h[6]) for h in headers)
         bad = [c for c, h in enumerate(headers) if h[4] != 1.0]
@@ -195,8 +196,10 @@ class PseudoGradientCodec:
         result.deltas = out
         return finish()
 
-    def _check_headers(self, headers, mine, my_rank):
-        for c, h in enumerate(headers):
+    def _check_headers(self, headers, mine, coll: Collective):
+        my_rank = coll.cluster_of(coll.rank)
+        for g, h in enumerate(headers):
+            c = coll.cluster_of(g)
             if h.numel() != len(HEADER_FIELDS):
                 raise PayloadError(f"cluster {c} sent a header of {h.numel()} values, expected {len(HEADER_FIELDS)}")
             for k, name in enumerate(HEADER_FIELDS[:4]):
@@ -225,7 +228,7 @@ class PseudoGradientCodec:
             parts, sent = None, None
             for c, buf in enumerate(coll.all_gather(payload)):
                 if buf.numel() != sum(nbytes):
-                    raise PayloadError(f"refused payload: cluster {c} sent {buf.numel()} bytes, expected {sum(nbytes)}")
+                    raise PayloadError(f"refused payload: cluster {coll.cluster_of(c)} sent {buf.numel()} bytes, expected {sum(nbytes)}")
                 chunks = torch.split(buf, nbytes)
                 decoded = [dequantize(ch, n, bits, block) for ch, n in zip(chunks[:len(flat)], sizes)]
                 decoded += [bytes_as(ch, torch.float32) for ch in chunks[len(flat):]]
@@ -237,6 +240,14 @@ class PseudoGradientCodec:
         return sums, sent, parts[len(flat):]
 
     # ---------------------------------------------------------------------------------- state
+    def snapshot(self):
+        """What an exchange may change (it replaces these lists, never writes into them): taken before an
+        attempt so that a round the clusters did not commit leaves no trace."""
+        return self.error, self.q, self.rank
+
+    def restore(self, snap):
+        self.error, self.q, self.rank = snap
+
     def state_dict(self) -> dict:
         return {"error": [e.clone() for e in self.error], "q": [q.clone() for q in self.q], "rank": self.rank}
 

@@ -60,6 +60,22 @@ class Collective:
         """``buf`` of member ``src`` everywhere (used once, at start, for the anchor)."""
         return self._broadcast(buf, src)
 
+    # membership (a fixed group: every round commits; InterClusterGroup overrides these)
+    elastic = False
+    joining = False
+
+    def settle(self, round_idx: int, outcome: str, attempt_end: float) -> dict:
+        """The outcome every member agrees on for this round's exchange (see membership.py)."""
+        if outcome != "ok":
+            raise RuntimeError(f"DiLoCoX round {round_idx}: exchange failed ({outcome}) in a fixed group")
+        return {"action": "commit", "admitted": [], "lost": [], "reason": ""}
+
+    def cluster_of(self, rank: int) -> int:
+        return rank
+
+    def close(self):
+        pass
+
     def _all_gather(self, buf):
         raise NotImplementedError
 

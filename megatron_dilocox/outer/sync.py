@@ -29,10 +29,12 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_dilocox.compression import adaptive
-from megatron_dilocox.compression.codec import ExchangeResult, PseudoGradientCodec
+from megatron_dilocox.compression.codec import ExchangeResult, PayloadError, PseudoGradientCodec
 from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
+from megatron_dilocox.outer import handover
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.nesterov import OuterNesterov
 
@@ -72,11 +74,17 @@ class DiLoCoXSync:
         self.exchange_spans: list[tuple[float, float]] = []  # wall-clock (start, end) of each exchange
         self.last_row: Optional[dict] = None
         self.rows: list[dict] = []  # every round's metrics row, in order (small dicts; one per round)
+        self.stopped: Optional[str] = None  # why the run must stop (a peer lost under policy stop, ...)
+        self._launched_delta = None  # δ of the round in flight (kept as error feedback if it is dropped)
+        self.joined_midrun = False
 
     # ------------------------------------------------------------------------------------------ start
     @torch.no_grad()
     def start(self):
-        """Make θ the global model: cluster 0's parameters, everywhere."""
+        """Make θ the global model: cluster 0's parameters, everywhere (or the members' state when this
+        cluster was restarted and rejoins a run in progress)."""
+        if self.group.joining:
+            return self.join()
         flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
         flat = self.group.broadcast(flat, src=0)
         for p, v in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
@@ -85,6 +93,24 @@ class DiLoCoXSync:
         self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
         self._restart_round_at_anchor()
         self._last_hook = time.perf_counter()
+        return self
+
+    @torch.no_grad()
+    def join(self):
+        """(Admitted mid-run) take φ, momentum, Q, H and round t's Δ from the members (handover.py)."""
+        result = handover.receive(self)
+        self.joined_midrun = True
+        self.steps_in_round = 0
+        self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])  # θ ← φ
+        self._restart_round_at_anchor()
+        if self.delayed:
+            self._done = result  # applied at this cluster's next boundary, as the members do
+        else:
+            self._apply(result, exposed=0.0)
+            self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])
+        self._last_hook = time.perf_counter()
+        log.warning("DiLoCoX cluster %d rejoined at round %d, iteration %d (H=%d, rank %d)", self.cfg.cluster_id,
+                    self.round, self.iteration, self.h, self.codec.rank)
         return self
 
     # ------------------------------------------------------------------------------------------ hook
@@ -110,15 +136,24 @@ class DiLoCoXSync:
         self.steps_in_round = 0
         if not self.delayed:
             t0 = time.perf_counter()
-            result = self._exchange(delta, self.round)
+            result = self._exchange(delta, self.round, self.iteration)
             self._apply(result, exposed=time.perf_counter() - t0)
+            if self.stopped:
+                self.round -= 1  # dropped: θ keeps δ_t, the next δ (measured from φ) carries it
+                return
             self._set_params(self.anchor)  # θ ← φ
         else:
             if self._in_flight is not None or self._done is not None:
                 t0 = time.perf_counter()
                 result = self.wait()
                 self._apply(result, exposed=time.perf_counter() - t0)
-            self._in_flight = self._executor.submit(self._exchange, delta, self.round)
+                if self.stopped:  # round t−1 dropped everywhere: keep its δ as error feedback, launch nothing
+                    self.codec.error = [e + d.to(e.device) for e, d in zip(self.codec.error, self._launched_delta)]
+                    self.round -= 2
+                    self._launched_delta = None
+                    return
+            self._launched_delta = delta
+            self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration)
             self._set_params([a.to(d.device) - d for a, d in zip(self.anchor, delta)])  # θ ← φ − δ_t
             self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
 
@@ -133,30 +168,75 @@ class DiLoCoXSync:
     @torch.no_grad()
     def finalize(self):
         """End of training: finish and apply the in-flight round, then θ ← φ (all clusters agree)."""
-        if self._in_flight is not None or self._done is not None:
+        if not self.stopped and (self._in_flight is not None or self._done is not None):
             t0 = time.perf_counter()
             result = self.wait()
             self._apply(result, exposed=time.perf_counter() - t0, adapt=False)
+            if self.stopped:
+                return
             self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])
             self._restart_round_at_anchor()
 
     def close(self):
         if self._in_flight is not None:
-            self._in_flight.result()
+            try:
+                self._in_flight.result()
+            except Exception:  # closing after a failure: the caller already has the error
+                pass
         self._executor.shutdown(wait=True)
+        self.group.close()
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _exchange(self, delta, round_idx) -> ExchangeResult:
+    def _exchange(self, delta, round_idx, iteration) -> ExchangeResult:
+        """One round's exchange, committed only when every member agrees (membership.py); a failed
+        attempt leaves the codec as it was and, per the verdict, is retried by the survivors or dropped."""
         t0, wall0 = time.perf_counter(), time.time()
-        result = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev, self.step_seconds)
+        while True:
+            snapshot = self.codec.snapshot()
+            try:
+                result, outcome = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev,
+                                                      self.step_seconds), "ok"
+            except PayloadError as exc:
+                result, outcome = None, f"refused:{exc}"
+            except Exception as exc:  # transport: a peer died, a link dropped, a timeout
+                result, outcome = None, "fail"
+                log.warning("DiLoCoX round %d: exchange failed on cluster %d: %s", round_idx,
+                            self.cfg.cluster_id, exc)
+            try:
+                verdict = self.group.settle(round_idx, outcome, time.monotonic())
+            except PeerLostError as exc:
+                verdict = {"action": "stop", "lost": [0], "admitted": [], "reason": str(exc)}
+            if verdict["action"] == "commit":
+                break
+            self.codec.restore(snapshot)
+            if verdict["action"] == "retry":
+                log.warning("DiLoCoX round %d: %s; retrying with clusters %s", round_idx, verdict["reason"],
+                            verdict["members"])
+                self.group.reform(verdict)
+                continue
+            result = ExchangeResult(round=round_idx, deltas=None, status=f"stopped: {verdict['reason']}",
+                                    num_clusters=self.group.size, rank=self.codec.rank, next_rank=self.codec.rank)
+            result.lost = list(verdict["lost"])
+            break
         result.comm_seconds = time.perf_counter() - t0
         self.exchange_spans.append((wall0, time.time()))
+        if verdict["admitted"]:
+            log.warning("DiLoCoX round %d: cluster(s) %s rejoin; handing them the global state", round_idx,
+                        verdict["admitted"])
+            self.group.reform(verdict)
+            handover.send(self, result, iteration)
         return result
 
     def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
         # smoothed: one slow transfer (a peer arriving late, a busy host) should not swing H alone
         self.comm_seconds_prev = (result.comm_seconds if self.comm_seconds_prev == 0
                                   else 0.5 * self.comm_seconds_prev + 0.5 * result.comm_seconds)
+        if result.status.startswith("stopped"):
+            self.stopped = (f"DiLoCoX round {result.round} {result.status} (--dilocox-on-peer-failure "
+                            f"{self.cfg.on_peer_failure}); the global model was not changed")
+            log.error("%s", self.stopped)
+            self._write_row(result, exposed, self.h, result.rank)
+            return
         if not result.local_ok:
             raise DivergedError(f"DiLoCoX round {result.round}: this cluster's pseudo-gradient has NaN/Inf "
                                 f"(inner training diverged); the global model was not changed")

@@ -1,0 +1,178 @@
+"""Who is in the round: the clusters agree, through the rendezvous store, on every round's outcome.
+
+A gloo collective cannot tell a live peer that failed from one that died, and two members can see
+different outcomes of the same collective (one finished the all-gather, the other's link dropped).
+So no round is applied on the strength of a local success alone. After each exchange attempt every
+rank of every member posts a vote (``ok``, ``fail`` = transport error or timeout, ``refused:<why>`` =
+a payload refused by the header checks) and cluster 0's local rank 0 — the coordinator, which hosts
+the store — publishes one verdict for all:
+
+    commit   every rank of every member voted ok            -> apply the round (admit joiners after it)
+    retry    a member is lost (no votes and no heartbeat)   -> policy continue: survivors form a new
+             or an attempt failed with everyone present        group (next epoch) and redo the round
+    stop     policy stop and a member is lost, a payload       -> drop the round everywhere
+             was refused, or retries keep failing
+
+A member is lost when its votes are missing and its heartbeat (a counter each cluster's local rank 0
+bumps every second) has not moved for ``min(timeout, 30 s)``, or at the latest ``--dilocox-timeout``
+after the coordinator's own attempt ended. Losing the coordinator (cluster 0, the store's host) is not
+survivable: every other cluster stops, naming it.
+
+Joining mid-run (policy continue): a restarted cluster finds the run in progress, authenticates by the
+same challenge-response (the coordinator checks its proof at the next verdict), posts that all of its
+local ranks are ready, and is admitted by the next ``commit`` verdict; members and joiner then form the
+next epoch's group and the round owner (``outer/sync.py``) hands the joiner the global state.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Optional
+
+from torch.distributed import PrefixStore, TCPStore
+
+MAX_RETRIES = 3  # consecutive failed attempts with every member present before the run stops
+
+
+class PeerLostError(RuntimeError):
+    """The inter-cluster group lost a member (or its coordinator) and the policy says stop."""
+
+
+def heartbeat_after(timeout: float) -> float:
+    return min(timeout, 30.0)
+
+
+class Heartbeat:
+    """Bumps ``hb/<cluster>`` every second on its own store connection (the exchange thread may be
+    blocked in gloo for a whole timeout; the heartbeat must not wait behind it)."""
+
+    def __init__(self, connect: Callable[[], TCPStore], cluster: int, period: float = 1.0):
+        self._store = PrefixStore("dilocox/m", connect())
+        self._key, self._period = f"hb/{cluster}", period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dilocox-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # the store's host is gone: the exchange thread will find out and stop
+                return
+            self._stop.wait(self._period)
+
+    def close(self):
+        self._stop.set()
+
+
+class Membership:
+    """This rank's view of the member clusters, and (on cluster 0, local rank 0) the coordinator."""
+
+    def __init__(self, store: TCPStore, cluster: int, local_rank: int, local_world: int, num_clusters: int,
+                 timeout: float, policy: str, verify_join: Callable[[int, int], None]):
+        self.meta = PrefixStore("dilocox/m", store)  # shared by every local rank of every cluster
+        self.cluster, self.local_rank, self.local_world = cluster, local_rank, local_world
+        self.timeout, self.policy = timeout, policy
+        self.members = list(range(num_clusters))
+        self.num_clusters = num_clusters
+        self.epoch = 0
+        self.verify_join = verify_join  # (cluster, local rank) -> checks a joiner's proof, posts its verdict
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._retries = 0
+
+    @property
+    def coordinator(self) -> bool:
+        return self.cluster == 0 and self.local_rank == 0
+
+    # ------------------------------------------------------------------------------------ per round
+    def settle(self, round_idx: int, outcome: str, attempt_end: float) -> dict:
+        """Post this rank's vote for the round; return the coordinator's verdict (same on every rank)."""
+        key = f"e{self.epoch}/r{round_idx}"
+        try:
+            self.meta.set(f"{key}/vote/{self.cluster}/{self.local_rank}", outcome)
+            self.meta.add(f"{key}/votes/{self.cluster}", 1)
+            if self.coordinator:
+                self.meta.set(f"{key}/verdict", json.dumps(self._decide(key, attempt_end)))
+            self.meta.wait([f"{key}/verdict"], timedelta(seconds=3 * self.timeout))
+            verdict = json.loads(self.meta.get(f"{key}/verdict"))
+        except Exception as exc:
+            raise PeerLostError(f"lost the rendezvous host, cluster 0 (round {round_idx}): {exc}") from exc
+        return verdict
+
+    def _decide(self, key: str, attempt_end: float) -> dict:
+        deadline = attempt_end + self.timeout
+        while True:
+            counts = {c: self.meta.add(f"{key}/votes/{c}", 0) for c in self.members}
+            missing = [c for c in self.members if counts[c] < self.local_world]
+            if not missing or time.monotonic() > deadline or all(self._silent(c) for c in missing):
+                break
+            time.sleep(0.02)
+        votes = [self.meta.get(f"{key}/vote/{c}/{r}").decode() for c in self.members if c not in missing
+                 for r in range(self.local_world)]
+        refused = [v for v in votes if v.startswith("refused:")]
+        verdict = {"action": "commit", "members": list(self.members), "epoch": self.epoch, "lost": missing,
+                   "admitted": [], "reason": ""}
+        if refused:
+            verdict.update(action="stop", reason=refused[0][len("refused:"):])
+        elif missing:
+            lost = ", ".join(map(str, missing))
+            verdict.update(action="stop" if self.policy == "stop" else "retry",
+                           members=[c for c in self.members if c not in missing], epoch=self.epoch + 1,
+                           reason=f"lost cluster(s) {lost}: no answer within "
+                                  f"{min(self.timeout, heartbeat_after(self.timeout)):.0f}s")
+        elif any(v != "ok" for v in votes):
+            self._retries += 1
+            verdict.update(action="retry" if self._retries < MAX_RETRIES else "stop", epoch=self.epoch + 1,
+                           reason=f"the exchange failed {self._retries} time(s) with every cluster present")
+        if verdict["action"] == "commit":
+            self._retries = 0
+            if self.policy == "continue":
+                verdict["admitted"] = self._admit()
+                if verdict["admitted"]:
+                    verdict.update(members=sorted(self.members + verdict["admitted"]), epoch=self.epoch + 1)
+        for c in verdict["admitted"]:
+            n = self.meta.add(f"admissions/{c}", 1)
+            self.meta.delete_key(f"join/{c}")
+            self.meta.set(f"admit/{c}/{n}", json.dumps(verdict))
+        return verdict
+
+    def _silent(self, cluster: int) -> bool:
+        """True once ``cluster``'s heartbeat has not moved for heartbeat_after(timeout) seconds."""
+        value, now = self.meta.add(f"hb/{cluster}", 0), time.monotonic()
+        last = self._seen.get(cluster)
+        if last is None or last[0] != value:
+            self._seen[cluster] = (value, now)
+            return False
+        return now - last[1] > heartbeat_after(self.timeout)
+
+    def _admit(self) -> list[int]:
+        """Clusters outside the group whose every local rank proved the secret and asked to join."""
+        ready = []
+        for c in range(self.num_clusters):
+            if c in self.members:
+                continue
+            for r in range(self.local_world):
+                self.verify_join(c, r)
+            if self.meta.add(f"join/{c}", 0) >= self.local_world:
+                ready.append(c)
+        return ready
+
+    def apply(self, verdict: dict):
+        self.members, self.epoch = list(verdict["members"]), verdict["epoch"]
+
+    # ------------------------------------------------------------------------------------ joining
+    def wait_for_admission(self) -> dict:
+        """(Joiner) ask to join; block until a commit verdict admits this cluster; return it."""
+        n = self.meta.add(f"admissions/{self.cluster}", 0)
+        self.meta.add(f"join/{self.cluster}", 1)
+        try:
+            self.meta.wait([f"admit/{self.cluster}/{n + 1}"], timedelta(seconds=self.timeout))
+        except Exception as exc:
+            raise PeerLostError(f"cluster {self.cluster} was not admitted within {self.timeout:.0f}s: the "
+                                f"running clusters admit a restarted cluster at their next round boundary "
+                                f"and only with --dilocox-on-peer-failure continue") from exc
+        verdict = json.loads(self.meta.get(f"admit/{self.cluster}/{n + 1}"))
+        self.apply(verdict)
+        return verdict

@@ -1,0 +1,61 @@
+"""Handing the global state to a cluster that rejoins mid-run (policy continue).
+
+Admission happens in the verdict of round t (membership.py), so the members hold: φ and the outer
+momentum as they were *before* round t's Δ is applied, the committed Δ_t itself, the codec's Q after
+round t, the rank and H in use, and the iteration at which round t was launched. The joiner takes all
+of it, starts its error feedback at zero and its θ at φ, and then applies Δ_t exactly when the members
+do (at once without overlap, at its next boundary with the one-step delay), so from that boundary on
+every cluster holds bitwise the same φ. Sent by broadcast from the group's first member (cluster 0)
+over the new epoch's group: first a small fp64 header (sizes depend on the rank), then one fp32 buffer.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_dilocox.compression.codec import ExchangeResult
+from megatron_dilocox.outer.nesterov import OuterNesterov
+
+_HEADER = ("round", "iteration", "h", "rank", "has_momentum", "has_deltas", "next_rank", "peer_comm_seconds",
+           "peer_step_seconds", "num_clusters")
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
+
+
+def send(sync, result: ExchangeResult, iteration: int):
+    """(Members) broadcast the state a joiner needs; called right after the group admitted it."""
+    buf = sync.outer.buf
+    values = [result.round, iteration, sync.h, sync.codec.rank, buf is not None, result.deltas is not None,
+              result.next_rank, result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters]
+    sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=0)
+    parts = list(sync.anchor) + (list(buf) if buf is not None else []) + list(sync.codec.q) + list(result.deltas or [])
+    sync.group.broadcast(_flat(parts), src=0)
+
+
+def receive(sync) -> ExchangeResult:
+    """(Joiner) take the members' state; returns round t's committed result, to be applied as they do."""
+    head = dict(zip(_HEADER, sync.group.broadcast(torch.zeros(len(_HEADER), dtype=torch.float64), src=0).tolist()))
+    codec = sync.codec
+    rank = int(head["rank"])
+    q_shapes = [(len(g.members), g.cols, rank) for g in codec.groups]
+    numels = [p.numel() for p in sync.params]
+    sizes = numels * (1 + int(head["has_momentum"])) + [b * c * r for b, c, r in q_shapes]
+    sizes += numels if head["has_deltas"] else []
+    flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=0)
+    pieces = iter(torch.split(flat, sizes))
+    shapes = [p.shape for p in sync.params]
+    sync.anchor = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]
+    sync.outer = OuterNesterov(sync.anchor, sync.cfg.outer_lr, sync.cfg.resolved_outer_momentum,
+                               sync.cfg.outer_nesterov)
+    if head["has_momentum"]:
+        sync.outer.buf = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]
+    codec.rank = rank
+    codec.q = [next(pieces).view(s).to(codec.device).clone() for s in q_shapes]
+    codec.error = [torch.zeros_like(e) for e in codec.error]
+    deltas = [next(pieces).view(s).clone() for s in shapes] if head["has_deltas"] else None
+    sync.round, sync.iteration, sync.h = int(head["round"]), int(head["iteration"]), int(head["h"])
+    return ExchangeResult(round=sync.round, deltas=deltas, status="applied" if deltas is not None else
+                          "refused: (before this cluster rejoined)", num_clusters=int(head["num_clusters"]),
+                          rank=rank, next_rank=int(head["next_rank"]),
+                          peer_comm_seconds=head["peer_comm_seconds"], peer_step_seconds=head["peer_step_seconds"])

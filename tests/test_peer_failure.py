@@ -1,0 +1,91 @@
+"""A cluster lost mid-run, for real: its processes are SIGKILLed while the others train and exchange.
+
+Separate processes, one gloo world per cluster, the authenticated inter-cluster group; the survivors
+must detect the loss within the timeout and follow --dilocox-on-peer-failure (membership.py): ``stop``
+drops the round on every survivor and stops; ``continue`` carries on with the survivors and lets a
+restarted cluster rejoin at a round boundary with the global state, after which all agree again.
+"""
+import time
+
+import pytest
+import torch
+
+from megatron_dilocox.local_launch import free_port, run_clusters
+from tests.workers import train_worker
+
+SECRET = "peer-failure-secret"
+TIMEOUT = 8.0  # --dilocox-timeout for these runs: detection must come within it (plus scheduling slack)
+
+
+def spec(C, **dilocox):
+    base = dict(num_clusters=C, rendezvous=f"127.0.0.1:{free_port()}", secret=SECRET, timeout_seconds=TIMEOUT,
+                adaptive_h=False, h=4, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8, quant_block_size=64)
+    base.update(dilocox)
+    return base
+
+
+def run(slots, may_die, **kw):
+    return run_clusters(train_worker, slots, 1, args=(kw,), timeout=240, may_die=may_die)
+
+
+def finite(tensors):
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("overlap", ["one-step-delay", "none"])
+def test_stop_policy_drops_the_round_on_every_survivor_and_names_the_lost_cluster(overlap):
+    # cluster 2 dies before step 10, in the middle of round 3 (rounds end after steps 4, 8, 12, ...)
+    res = run(3, may_die=(2,), steps=24, step_sleep=0.05, die={"slot": 2, "step": 10},
+              dilocox=spec(3, overlap=overlap, on_peer_failure="stop"))
+    assert (2, 0) not in res
+    a, b = res[(0, 0)], res[(1, 0)]
+    for out in (a, b):
+        assert out["error"] is not None and " stopped: lost cluster(s) 2: no answer within" in out["error"], out["error"]
+        assert "--dilocox-on-peer-failure stop" in out["error"]
+        last = out["rows"][-1]
+        assert last["status"].startswith("stopped: lost cluster(s) 2")
+        assert all(r["status"] == "applied" for r in out["rows"][:-1])
+        assert finite(out["final_anchor"])
+    # the same round dropped on both, the same global model kept (nothing half-applied)
+    assert a["rows"][-1]["round"] == b["rows"][-1]["round"]
+    assert all(torch.equal(x, y) for x, y in zip(a["final_anchor"], b["final_anchor"]))
+    assert a["rows"][-1]["global_model_hash"] == a["rows"][-2]["global_model_hash"]
+    # detection: the killed cluster had its last heartbeat at the kill; the survivors' stopping round
+    # settled within the timeout (heartbeat silence) plus the exchange and scheduling slack
+    assert last["comm_seconds"] < TIMEOUT + 6, last["comm_seconds"]
+
+
+def test_continue_policy_carries_on_with_the_survivors():
+    res = run(3, may_die=(2,), steps=24, step_sleep=0.05, die={"slot": 2, "step": 10},
+              dilocox=spec(3, on_peer_failure="continue"))
+    a, b = res[(0, 0)], res[(1, 0)]
+    assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
+    rounds = [r["round"] for r in a["rows"]]
+    assert rounds == list(range(1, 7)), rounds  # 24 steps / H=4 (the last one flushed by finalize)
+    assert all(r["status"] == "applied" for r in a["rows"] + b["rows"])
+    counts = [r["num_clusters"] for r in a["rows"]]
+    assert counts[0] == 3 and counts[-1] == 2 and sorted(counts, reverse=True) == counts, counts
+    assert [r["global_model_hash"] for r in a["rows"]] == [r["global_model_hash"] for r in b["rows"]]
+    assert a["final_hash"] == b["final_hash"] and finite(a["final_anchor"])
+    lossy = [r for r in a["rows"] if r["num_clusters"] == 2][0]
+    assert lossy["comm_seconds"] < TIMEOUT + 6, lossy["comm_seconds"]
+
+
+@pytest.mark.parametrize("overlap", ["one-step-delay", "none"])
+def test_a_restarted_cluster_rejoins_with_the_global_state_and_all_agree_again(overlap):
+    # slot 1 = cluster 1, killed before step 6; slot 2 = cluster 1 restarted 12 s later (a new process)
+    res = run(3, may_die=(1,), steps=40, step_sleep=0.15, die={"slot": 1, "step": 6},
+              as_cluster={"2": 1}, start_delay={"2": 12.0},
+              dilocox=spec(2, overlap=overlap, on_peer_failure="continue"))
+    a, j = res[(0, 0)], res[(2, 0)]
+    assert a["error"] is None and j["error"] is None, (a["error"], j["error"])
+    assert j["joined_midrun"] and j["cluster"] == 1 and j["first_iteration"] % 4 == 0 and j["first_iteration"] > 6
+    counts = [r["num_clusters"] for r in a["rows"]]
+    assert 1 in counts and counts[-1] == 2, counts  # alone for a while, two again after the rejoin
+    # from the joiner's first applied round on, both hold bitwise the same global model every round
+    mine = {r["round"]: r["global_model_hash"] for r in j["rows"]}
+    theirs = {r["round"]: r["global_model_hash"] for r in a["rows"]}
+    assert mine and all(theirs[k] == v for k, v in mine.items()), (mine, theirs)
+    assert max(mine) == max(theirs) == 10
+    assert a["final_hash"] == j["final_hash"]
+    assert all(torch.equal(x, y) for x, y in zip(a["final_anchor"], j["final_anchor"])) and finite(j["final_anchor"])
