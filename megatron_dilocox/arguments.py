@@ -28,6 +28,9 @@ def _fields():
         yield f, base
 
 
+ALIASES = {"timeout_seconds": ("--dilocox-timeout",)}  # the short form the docs and issues use
+
+
 def flag_name(field_name: str) -> str:
     return "--dilocox-" + field_name.replace("_", "-")
 
@@ -53,7 +56,8 @@ def add_dilocox_args(parser: argparse.ArgumentParser, chain: Optional[Callable] 
             group.add_argument(_no_flag(f.name), dest=dest, action="store_false", default=None,
                                help=argparse.SUPPRESS)
         else:
-            group.add_argument(flag_name(f.name), dest=dest, type=base, default=None, help=text)
+            group.add_argument(flag_name(f.name), *ALIASES.get(f.name, ()), dest=dest, type=base, default=None,
+                               help=text)
     return parser
 
 

@@ -14,7 +14,7 @@ the store — publishes one verdict for all:
              was refused, or retries keep failing
 
 A member is lost when its votes are missing and its heartbeat (a counter each cluster's local rank 0
-bumps every second) has not moved for ``min(timeout, 30 s)``, or at the latest ``--dilocox-timeout``
+bumps every second) has not moved for ``min(timeout / 2, 30 s)``, or at the latest ``--dilocox-timeout``
 after the coordinator's own attempt ended. Losing the coordinator (cluster 0, the store's host) is not
 survivable: every other cluster stops, naming it.
 
@@ -41,7 +41,7 @@ class PeerLostError(RuntimeError):
 
 
 def heartbeat_after(timeout: float) -> float:
-    return min(timeout, 30.0)
+    return min(0.5 * timeout, 30.0)
 
 
 class Heartbeat:
@@ -121,7 +121,7 @@ class Membership:
             verdict.update(action="stop" if self.policy == "stop" else "retry",
                            members=[c for c in self.members if c not in missing], epoch=self.epoch + 1,
                            reason=f"lost cluster(s) {lost}: no answer within "
-                                  f"{min(self.timeout, heartbeat_after(self.timeout)):.0f}s")
+                                  f"{heartbeat_after(self.timeout):.0f}s of heartbeat silence")
         elif any(v != "ok" for v in votes):
             self._retries += 1
             verdict.update(action="retry" if self._retries < MAX_RETRIES else "stop", epoch=self.epoch + 1,

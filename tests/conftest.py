@@ -10,6 +10,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long runs; CI runs the short versions, benchmarks run these")
 
 
+def pytest_collection_modifyitems(config, items):
+    """CI (``bash scripts/test.sh``) skips ``slow`` tests; ``-m slow`` or DILOCOX_RUN_SLOW=1 runs them."""
+    if config.getoption("-m") or os.environ.get("DILOCOX_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow or DILOCOX_RUN_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def kjv(tmp_path_factory):
     """The KJV corpus for 2 clusters (tokenizer + per-cluster shards + validation), built once per session."""

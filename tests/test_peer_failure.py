@@ -32,7 +32,7 @@ def finite(tensors):
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-@pytest.mark.parametrize("overlap", ["one-step-delay", "none"])
+@pytest.mark.parametrize("overlap", ["one-step-delay", pytest.param("none", marks=pytest.mark.slow)])
 def test_stop_policy_drops_the_round_on_every_survivor_and_names_the_lost_cluster(overlap):
     # cluster 2 dies before step 10, in the middle of round 3 (rounds end after steps 4, 8, 12, ...)
     res = run(3, may_die=(2,), steps=24, step_sleep=0.05, die={"slot": 2, "step": 10},

@@ -57,6 +57,7 @@ class ExchangeResult:
     comm_seconds: float = 0.0  # wall time of this exchange (set by the caller that timed it)
     local_ok: bool = True
     lost: list = field(default_factory=list)  # clusters lost in this round (status "stopped: ...")
+    launched_at: int = 0  # the iteration whose boundary launched this round
 
 
 @dataclass

@@ -57,5 +57,5 @@ def receive(sync) -> ExchangeResult:
     sync.round, sync.iteration, sync.h = int(head["round"]), int(head["iteration"]), int(head["h"])
     return ExchangeResult(round=sync.round, deltas=deltas, status="applied" if deltas is not None else
                           "refused: (before this cluster rejoined)", num_clusters=int(head["num_clusters"]),
-                          rank=rank, next_rank=int(head["next_rank"]),
+                          rank=rank, next_rank=int(head["next_rank"]), launched_at=sync.iteration,
                           peer_comm_seconds=head["peer_comm_seconds"], peer_step_seconds=head["peer_step_seconds"])

@@ -218,7 +218,7 @@ class DiLoCoXSync:
                                     num_clusters=self.group.size, rank=self.codec.rank, next_rank=self.codec.rank)
             result.lost = list(verdict["lost"])
             break
-        result.comm_seconds = time.perf_counter() - t0
+        result.comm_seconds, result.launched_at = time.perf_counter() - t0, iteration
         self.exchange_spans.append((wall0, time.time()))
         if verdict["admitted"]:
             log.warning("DiLoCoX round %d: cluster(s) %s rejoin; handing them the global state", round_idx,
@@ -278,7 +278,8 @@ class DiLoCoXSync:
                                   r.compression_rel_error ** 2 * r.pseudo_grad_norm ** 2], "sum")
         maxes = self.intra.reduce([r.comm_seconds, exposed], "max")
         hashes = self.intra.gather_str(self.model_hash())
-        row = {"round": r.round, "iteration": self.iteration, "cluster": self.cfg.cluster_id,
+        row = {"round": r.round, "iteration": self.iteration, "launched_at": r.launched_at,
+               "cluster": self.cfg.cluster_id,
                "num_clusters": r.num_clusters, "status": r.status, "H": h_used, "next_H": self.h,
                "lowrank_rank": rank_used if self.codec.groups else 0,
                "next_lowrank_rank": self.codec.rank if self.codec.groups else 0,
