@@ -78,6 +78,7 @@ class Membership:
         self.members = list(range(num_clusters))
         self.num_clusters = num_clusters
         self.epoch = 0
+        self.seq = 0  # exchange attempts so far in this epoch (the same count on every member)
         self.verify_join = verify_join  # (cluster, local rank) -> checks a joiner's proof, posts its verdict
         self._seen: dict[int, tuple[int, float]] = {}
         self._retries = 0
@@ -89,7 +90,10 @@ class Membership:
     # ------------------------------------------------------------------------------------ per round
     def settle(self, round_idx: int, outcome: str, attempt_end: float) -> dict:
         """Post this rank's vote for the round; return the coordinator's verdict (same on every rank)."""
-        key = f"e{self.epoch}/r{round_idx}"
+        # keyed by the attempt's sequence number in this epoch, not by round: a cluster whose round
+        # disagrees still votes on the same key (and is refused by the header check, not timed out)
+        key = f"e{self.epoch}/x{self.seq}"
+        self.seq += 1
         try:
             self.meta.set(f"{key}/vote/{self.cluster}/{self.local_rank}", outcome)
             self.meta.add(f"{key}/votes/{self.cluster}", 1)
@@ -160,7 +164,7 @@ class Membership:
         return ready
 
     def apply(self, verdict: dict):
-        self.members, self.epoch = list(verdict["members"]), verdict["epoch"]
+        self.members, self.epoch, self.seq = list(verdict["members"]), verdict["epoch"], 0
 
     # ------------------------------------------------------------------------------------ joining
     def wait_for_admission(self) -> dict:

@@ -203,3 +203,20 @@ def test_non_finite_pseudo_gradient_is_refused_and_the_global_model_is_untouched
     # round 2 was refused: the anchor after it equals the anchor after round 1, and is finite
     assert all(torch.equal(a, b) for a, b in zip(good["anchors"][0], good["anchors"][1]))
     assert all(bool(torch.isfinite(a).all()) for a in good["final_anchor"])
+
+
+@pytest.mark.parametrize("fault, expected", [
+    (dict(round_offset_cluster=1), "cluster 1 is at round 2, this cluster (#0) at 1"),
+    (dict(dilocox_by_cluster={"1": {"quant_bits": 4}}),  # payload dtype: int4 where int8 is expected
+     "cluster 1 has a different parameter layout or compression settings"),
+])
+def test_payload_of_wrong_round_or_dtype_is_refused_on_every_cluster_and_the_run_stops(fault, expected):
+    C = 2
+    res = run(C, steps=6, dilocox=spec(C, h=2, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8), **fault)
+    for c in range(C):
+        out = res[(c, 0)]
+        # each cluster names its own round number; the reason is the coordinator's, the same everywhere
+        assert out["error"].startswith("DiLoCoX round ") and \
+            f" stopped: refused payload: {expected}" in out["error"], out["error"]
+        assert [r["status"][:40] for r in out["rows"]] == [f"stopped: refused payload: {expected}"[:40]]
+        assert all(torch.equal(a, s) for a, s in zip(out["final_anchor"], out["start_params"]))

@@ -60,7 +60,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     ``as_cluster`` = {slot: cluster} starts a slot as another cluster's restart (after ``start_delay``)."""
     cluster = int(spec.get("as_cluster", {}).get(str(slot), slot))
     time.sleep(spec.get("start_delay", {}).get(str(slot), 0.0))
-    cfg = DiLoCoXConfig(cluster_id=cluster, **spec["dilocox"]).validate()
+    settings = dict(spec["dilocox"], **spec.get("dilocox_by_cluster", {}).get(str(cluster), {}))
+    cfg = DiLoCoXConfig(cluster_id=cluster, **settings).validate()
     store = connect_store(cfg, host_store=(cluster == 0 and local_rank == 0))
     group_cls = SlowGroup if spec.get("slow_gather") else InterClusterGroup
     SlowGroup.delay = spec.get("slow_gather", 0.0)
@@ -76,6 +77,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     out = {"rows": [], "anchors": [], "params": [], "losses": [], "step_times": [], "error": None,
            "cluster": cluster, "joined_midrun": sync.joined_midrun, "first_iteration": sync.iteration,
            "start_params": [p.detach().clone() for p in model.parameters()]}
+    if spec.get("round_offset_cluster") == cluster:  # e.g. resumed from another round's checkpoint
+        sync.round += 1
     die = spec.get("die", {})
     try:
         for step in range(sync.iteration, spec["steps"]):

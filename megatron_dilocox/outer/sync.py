@@ -209,6 +209,10 @@ class DiLoCoXSync:
             if verdict["action"] == "commit":
                 break
             self.codec.restore(snapshot)
+            if verdict["action"] == "retry" and self.cfg.cluster_id not in verdict["members"]:
+                verdict = dict(verdict, action="stop", lost=[self.cfg.cluster_id],
+                               reason=f"the other clusters went on without this one (cluster {self.cfg.cluster_id}: "
+                                      f"its link or heartbeat was lost for too long); restart it to rejoin")
             if verdict["action"] == "retry":
                 log.warning("DiLoCoX round %d: %s; retrying with clusters %s", round_idx, verdict["reason"],
                             verdict["members"])

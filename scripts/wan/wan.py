@@ -20,6 +20,7 @@ CLI::
 
     wan.py up --clusters 2 --rate 100mbit [--delay MS] [--burst BYTES] [--latency MS | --limit BYTES]
     wan.py set-rate 10mbit [--cluster K ...]
+    wan.py cut K | restore K             (cluster K's link down / up: a site's uplink failing)
     wan.py exec K -- cmd args...
     wan.py selftest --rate 50mbit [--seconds 3] [--json]
     wan.py status
@@ -375,6 +376,16 @@ def set_rate(rate, clusters=None, verbose=False):
     return cfg
 
 
+def set_link(k, up_: bool):
+    """Cut (or restore) cluster k's link: its bridge port goes down, so every packet to or from it is
+    dropped while its sockets stay open, as when a site's uplink fails."""
+    _require_root()
+    cfg = _read_state()
+    if cfg is None or not 0 <= int(k) < cfg["clusters"]:
+        raise WanError("testbed is not up, or it has no cluster %s" % k)
+    _run(["ip", "-n", WAN_NS, "link", "set", port_dev(int(k)), "up" if up_ else "down"])
+
+
 def status():
     cfg = _read_state()
     lines = ["namespaces: %s" % (" ".join(our_namespaces()) or "(none)")]
@@ -452,6 +463,12 @@ class WanTestbed:
     def set_rate(self, rate, clusters=None):
         self.cfg = set_rate(rate, clusters)
         self.rate = rate
+
+    def cut(self, k):
+        set_link(k, False)
+
+    def restore(self, k):
+        set_link(k, True)
 
     def measure(self, src, dst, seconds=3.0, warmup=0.5):
         """TCP throughput from cluster src to cluster dst (see measure_tcp)."""
@@ -634,6 +651,9 @@ def main(argv=None):
     p = sub.add_parser("set-rate", help="change the rate live")
     p.add_argument("rate")
     p.add_argument("--cluster", type=int, action="append", help="only this cluster's link (repeatable)")
+    for verb in ("cut", "restore"):
+        p = sub.add_parser(verb, help="%s cluster K's link (all its packets dropped / flowing again)" % verb)
+        p.add_argument("cluster", type=int)
     sub.add_parser("status")
     sub.add_parser("exec", help="exec K -- cmd...: run cmd in cluster K's namespace")
     p = sub.add_parser("selftest", help="measure the shaped link and loopback")
@@ -661,6 +681,9 @@ def main(argv=None):
             return 1 if left else 0
         elif a.cmd == "set-rate":
             set_rate(a.rate, a.cluster, verbose=True)
+        elif a.cmd in ("cut", "restore"):
+            set_link(a.cluster, a.cmd == "restore")
+            print("wan: cluster %d link %s" % (a.cluster, "restored" if a.cmd == "restore" else "cut"))
         elif a.cmd == "status":
             print(status())
         elif a.cmd == "selftest":
