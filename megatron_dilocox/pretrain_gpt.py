@@ -12,6 +12,7 @@ command line must then carry ``cpu_backend.CPU_FLAGS``. ``--mock-data`` trains o
 synthetic sequences (no corpus needed); ``--data-path`` etc. use real indexed datasets.
 """
 
+import sys
 import time
 
 _PROGRAM_START = time.time()
@@ -26,6 +27,7 @@ from megatron_dilocox.glue import cpu_backend  # noqa: E402
 # cheap to import, which matters because torch_dist checkpoint saving spawns a helper process
 # that re-imports this (``-m``) module as ``__mp_main__``.
 _ON_CPU = False
+EXIT_PEER_FAILURE = 3  # the run stopped because a cluster was lost (--dilocox-on-peer-failure stop)
 
 
 def _prepare_runtime():
@@ -234,8 +236,16 @@ def main(extra_args_provider=None, install_hooks=None, args_defaults=None):
 def dilocox_main():
     """The DiLoCoX entry: every Megatron GPT flag plus the --dilocox-* flags (plain Megatron without --dilocox)."""
     from megatron_dilocox.arguments import add_dilocox_args
-    from megatron_dilocox.glue.seam import install_from_args
-    main(extra_args_provider=add_dilocox_args, install_hooks=install_from_args)
+    from megatron_dilocox.glue.seam import current_optimizer, install_from_args
+    try:
+        main(extra_args_provider=add_dilocox_args, install_hooks=install_from_args)
+    except SystemExit as exc:  # Megatron's early exit: non-zero when DiLoCoX stopped the run
+        optimizer = current_optimizer()
+        if optimizer is not None and optimizer.sync.stopped:
+            print(f"[dilocox] ERROR: {optimizer.sync.stopped}; a checkpoint was saved if --save was given",
+                  flush=True)
+            sys.exit(EXIT_PEER_FAILURE)
+        raise
 
 
 if __name__ == "__main__":

@@ -39,19 +39,21 @@ def wan():
 def test_cut_link_survivor_goes_on_cut_cluster_stops_then_rejoins(kjv, tmp_path, wan):
     megatron = tiny_gpt_flags(str(kjv), ITERS, layers=2)
     dilocox = tiny_dilocox_flags(tmp_path, "--dilocox-on-peer-failure", "continue", "--dilocox-timeout", str(TIMEOUT))
-    kw = dict(echo=False, env={"CUDA_VISIBLE_DEVICES": "", "DILOCOX_SECRET": "link-cut-secret"},
+    kw = dict(echo=False, env={"CUDA_VISIBLE_DEVICES": "", "DILOCOX_SECRET": "link-cut-secret", "GLOO_SOCKET_IFNAME": "wan0"},
               prefix_by_cluster={c: wan.prefix(c) for c in range(2)}, rendezvous_host=wan.addr(0),
               rendezvous_port=free_port())
     with start(2, 1, megatron, dilocox, **kw) as cl:
         log0, log1 = cl.logs
-        assert log1.wait_for(lambda log: log.last_iteration >= 10, 300), "\n".join(log1.lines[-30:])
+        assert log1.wait_for(lambda log: log.last_iteration >= 10, 300), "\n".join(log1.lines[-120:])
         wan.cut(1)
         t_cut = time.monotonic()
-        line = log0.wait_for_line(r"retrying with clusters \[0\]", 4 * TIMEOUT)
+        log0.wait_for(lambda log: any("retrying with clusters [0]" in ln for ln in log.lines), 4 * TIMEOUT)
         detected = time.monotonic() - t_cut
+        line = next((ln for ln in log0.lines if "retrying with clusters [0]" in ln), None)
         assert line and "lost cluster(s) 1" in line, "\n".join(log0.lines[-30:])
         # heartbeat silence is declared after TIMEOUT/2; the survivor's gloo op waits at most TIMEOUT
         assert detected < 1.5 * TIMEOUT + 5, detected
+        print(f"link cut at iteration {log0.last_iteration}: survivor went on alone after {detected:.1f}s")
         wan.restore(1)  # the link comes back: cluster 1 learns the others went on without it, and stops
         code1 = cl.procs[1].wait(6 * TIMEOUT)
         cut_off = "\n".join(log1.lines)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -55,6 +56,8 @@ class ExchangeResult:
     peer_comm_seconds: float = 0.0  # max over clusters of the previous round's transfer time
     peer_step_seconds: float = 0.0  # max over clusters of the mean inner-step time
     comm_seconds: float = 0.0  # wall time of this exchange (set by the caller that timed it)
+    peer_wait_seconds: float = 0.0  # of it, until the header all-gather returned: mostly the wait for the last cluster
+    transfer_seconds: float = 0.0  # the committed attempt without that wait (what adaptive H should hide)
     local_ok: bool = True
     lost: list = field(default_factory=list)  # clusters lost in this round (status "stopped: ...")
     launched_at: int = 0  # the iteration whose boundary launched this round
@@ -119,6 +122,7 @@ class PseudoGradientCodec:
     # ---------------------------------------------------------------------------------- exchange
     def exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
                  comm_seconds_prev: float = 0.0, step_seconds: float = 0.0) -> ExchangeResult:
+        t_enter = time.perf_counter()
         C = coll.size
         sent0, recv0 = coll.counter.sent, coll.counter.received
         M = [d.detach().to(self.device, torch.float32).reshape(s) + e
@@ -141,6 +145,7 @@ class PseudoGradientCodec:
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
                                comm_seconds_prev, step_seconds, 0.0], dtype=torch.float64)
         headers = [bytes_as(h, torch.float64) for h in coll.all_gather(header.view(torch.uint8))]
+        result.peer_wait_seconds = time.perf_counter() - t_enter
         self._check_headers(headers, header, coll)
         result.peer_comm_seconds = max(float(h[5]) for h in headers)
         result.peer_step_seconds = max(float(h[6]) for h in headers)

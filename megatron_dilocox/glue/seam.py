@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.glue import checkpoints
 from megatron_dilocox.glue.param_views import leaf_optimizers, main_param_views
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
@@ -66,8 +67,11 @@ class DiLoCoXOptimizer:
             views = [v for v, owner in zip(views, self._dp_owner) if owner == me]
         rank = torch.distributed.get_rank()
         store = connect_store(cfg, host_store=(cfg.cluster_id == 0 and rank == 0)) if cfg.num_clusters > 1 else None
-        group = InterClusterGroup(cfg, rank, store, fingerprint(cfg, args, views)) if store is not None else None
+        group = (InterClusterGroup(cfg, rank, store, fingerprint(cfg, args, views),
+                                   local_world=torch.distributed.get_world_size()) if store is not None else None)
         intra = TorchDistCluster()
+        if group is None or not group.joining:  # a rejoining cluster takes the members' state instead
+            checkpoints.agree_on_resume_iteration(cfg, args, group, intra)  # before Megatron loads
         metrics = MetricsWriter(cfg.metrics_file if intra.is_writer else None)
         self.sync = DiLoCoXSync(views, cfg, group, intra, metrics)
         with torch.no_grad():
@@ -85,6 +89,9 @@ class DiLoCoXOptimizer:
                 self._refresh_model_params()
         if success and self.sync.iteration == self.train_iters:
             self.finalize()  # before Megatron's final evaluation and checkpoint
+        if self.sync.stopped:
+            from megatron.training import get_args
+            get_args().exit_interval = 1  # Megatron saves a checkpoint (with --save) and exits this iteration
         for row in self.sync.rows[seen:]:
             log_row_to_megatron_writers(row)
         return success, grad_norm, num_zeros
@@ -104,6 +111,23 @@ class DiLoCoXOptimizer:
             if distributed and not leaf.ddp_config.overlap_param_gather:
                 for chunk in leaf.model_chunks:
                     chunk.start_param_sync(force_sync=True)
+
+    def adopt_running_position(self, args, scheduler):
+        """(Rejoined mid-run) after Megatron's set-up and load: θ ← the members' global model, and the
+        iteration, consumed samples and LR schedule moved to where the running clusters are."""
+        if getattr(args, "rampup_batch_size", None):
+            raise RuntimeError("DiLoCoX rejoin does not support --rampup-batch-size (consumed samples are "
+                               "derived as iteration x --global-batch-size)")
+        with torch.no_grad():
+            for p, a in zip(self.sync.params, self.sync.anchor):
+                p.copy_(a.to(p.device))
+            self._refresh_model_params()
+        args.iteration = self.sync.iteration
+        args.consumed_train_samples = self.sync.iteration * args.global_batch_size
+        if scheduler is not None:
+            scheduler.num_steps = args.consumed_train_samples
+            scheduler.step(0)
+        log.warning("DiLoCoX: this cluster continues from iteration %d with the running clusters", args.iteration)
 
     def finalize(self):
         """End of training: apply the in-flight round so every cluster holds the same global model.
@@ -130,6 +154,10 @@ class DiLoCoXOptimizer:
     def load_state_dict(self, state_dict):
         ours = state_dict.pop(STATE_KEY, None)
         self.inner.load_state_dict(state_dict)
+        if self.sync.joined_midrun:
+            log.warning("DiLoCoX: rejoined mid-run; the checkpoint's DiLoCoX state and model are superseded by "
+                        "the running clusters' (its inner optimizer state is kept)")
+            return
         if ours is None:
             log.warning("DiLoCoX: the checkpoint has no DiLoCoX state; starting rounds afresh from its model")
             with torch.no_grad():
@@ -174,7 +202,18 @@ def install(cfg: DiLoCoXConfig, args):
         _installed["optimizer"] = optimizer
         return optimizer
 
+    if "setup" not in _installed:
+        _installed["setup"] = training.setup_model_and_optimizer
+
+    def setup_model_and_optimizer(*a, **kw):
+        model, optimizer, scheduler = _installed["setup"](*a, **kw)
+        if isinstance(optimizer, DiLoCoXOptimizer) and optimizer.sync.joined_midrun:
+            optimizer.adopt_running_position(args, scheduler)
+        return model, optimizer, scheduler
+
+    checkpoints.install(args)
     training.get_megatron_optimizer = get_megatron_optimizer
+    training.setup_model_and_optimizer = setup_model_and_optimizer
     return get_megatron_optimizer
 
 

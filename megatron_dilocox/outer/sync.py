@@ -193,9 +193,11 @@ class DiLoCoXSync:
         t0, wall0 = time.perf_counter(), time.time()
         while True:
             snapshot = self.codec.snapshot()
+            attempt_start = time.perf_counter()
             try:
                 result, outcome = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev,
                                                       self.step_seconds), "ok"
+                result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
             except PayloadError as exc:
                 result, outcome = None, f"refused:{exc}"
             except Exception as exc:  # transport: a peer died, a link dropped, a timeout
@@ -232,9 +234,12 @@ class DiLoCoXSync:
         return result
 
     def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
-        # smoothed: one slow transfer (a peer arriving late, a busy host) should not swing H alone
-        self.comm_seconds_prev = (result.comm_seconds if self.comm_seconds_prev == 0
-                                  else 0.5 * self.comm_seconds_prev + 0.5 * result.comm_seconds)
+        # the transfer alone: waiting for a peer that reached the boundary later is not link time (counting
+        # it let a compute offset between clusters inflate H for good); smoothed, so that one slow transfer
+        # (a busy host) does not swing H alone
+        transfer = result.transfer_seconds
+        self.comm_seconds_prev = (transfer if self.comm_seconds_prev == 0
+                                  else 0.5 * self.comm_seconds_prev + 0.5 * transfer)
         if result.status.startswith("stopped"):
             self.stopped = (f"DiLoCoX round {result.round} {result.status} (--dilocox-on-peer-failure "
                             f"{self.cfg.on_peer_failure}); the global model was not changed")
@@ -280,7 +285,7 @@ class DiLoCoXSync:
     def _write_row(self, r: ExchangeResult, exposed: float, h_used: int, rank_used: int):
         sums = self.intra.reduce([r.bytes_sent, r.bytes_received, r.bytes_dense_fp32, r.pseudo_grad_norm ** 2,
                                   r.compression_rel_error ** 2 * r.pseudo_grad_norm ** 2], "sum")
-        maxes = self.intra.reduce([r.comm_seconds, exposed], "max")
+        maxes = self.intra.reduce([r.comm_seconds, exposed, r.transfer_seconds], "max")
         hashes = self.intra.gather_str(self.model_hash())
         row = {"round": r.round, "iteration": self.iteration, "launched_at": r.launched_at,
                "cluster": self.cfg.cluster_id,
@@ -289,6 +294,7 @@ class DiLoCoXSync:
                "next_lowrank_rank": self.codec.rank if self.codec.groups else 0,
                "quant_bits": self.cfg.quant_bits, "bytes_sent": int(sums[0]), "bytes_received": int(sums[1]),
                "bytes_dense_fp32": int(sums[2]), "comm_seconds": maxes[0], "exposed_comm_seconds": maxes[1],
+               "transfer_seconds": maxes[2],
                "compression_rel_error": r.compression_rel_error if len(hashes) == 1 else
                (sums[4] / sums[3]) ** 0.5 if sums[3] > 0 else 0.0,
                "pseudo_grad_norm": sums[3] ** 0.5,
