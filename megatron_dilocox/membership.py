@@ -29,7 +29,7 @@ import json
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from torch.distributed import PrefixStore, TCPStore
 
@@ -46,11 +46,16 @@ def heartbeat_after(timeout: float) -> float:
 
 class Heartbeat:
     """Bumps ``hb/<cluster>`` every second on its own store connection (the exchange thread may be
-    blocked in gloo for a whole timeout; the heartbeat must not wait behind it)."""
+    blocked in gloo for a whole timeout; the heartbeat must not wait behind it). On the coordinator it
+    also watches every cluster's counter, so silence is measured from a cluster's last beat."""
 
-    def __init__(self, connect: Callable[[], TCPStore], cluster: int, period: float = 1.0):
+    def __init__(self, connect: Callable[[], TCPStore], cluster: int, period: float = 1.0,
+                 watch: Sequence[int] = ()):
         self._store = PrefixStore("dilocox/m", connect())
         self._key, self._period = f"hb/{cluster}", period
+        self._watch = list(watch)
+        self._values: dict[int, int] = {}
+        self.last_beat: dict[int, float] = {c: time.monotonic() for c in self._watch}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dilocox-heartbeat", daemon=True)
         self._thread.start()
@@ -59,6 +64,10 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self._store.add(self._key, 1)
+                for c in self._watch:
+                    value = self._store.add(f"hb/{c}", 0)
+                    if self._values.get(c) != value:
+                        self._values[c], self.last_beat[c] = value, time.monotonic()
             except Exception:  # the store's host is gone: the exchange thread will find out and stop
                 return
             self._stop.wait(self._period)
@@ -81,6 +90,7 @@ class Membership:
         self.seq = 0  # exchange attempts so far in this epoch (the same count on every member)
         self.verify_join = verify_join  # (cluster, local rank) -> checks a joiner's proof, posts its verdict
         self._seen: dict[int, tuple[int, float]] = {}
+        self.heartbeat: Optional[Heartbeat] = None  # set on the coordinator (it watches every cluster)
         self._retries = 0
 
     @property
@@ -144,6 +154,9 @@ class Membership:
 
     def _silent(self, cluster: int) -> bool:
         """True once ``cluster``'s heartbeat has not moved for heartbeat_after(timeout) seconds."""
+        if self.heartbeat is not None:  # the coordinator's watcher knows when it last moved
+            return time.monotonic() - self.heartbeat.last_beat.get(cluster, time.monotonic()) > \
+                heartbeat_after(self.timeout)
         value, now = self.meta.add(f"hb/{cluster}", 0), time.monotonic()
         last = self._seen.get(cluster)
         if last is None or last[0] != value:

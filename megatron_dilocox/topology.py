@@ -86,8 +86,12 @@ class InterClusterGroup(Collective):
             self.admission = self.membership.wait_for_admission()
         elif cfg.cluster_id == 0:
             self.base.set("running", "1")
-        self._heartbeat = Heartbeat(lambda: connect_store(cfg, host_store=False), cfg.cluster_id) \
+        coordinator = self.membership.coordinator
+        self._heartbeat = Heartbeat(lambda: connect_store(cfg, host_store=False), cfg.cluster_id,
+                                    watch=range(cfg.num_clusters) if coordinator else ()) \
             if local_rank == 0 else None
+        if coordinator:
+            self.membership.heartbeat = self._heartbeat
         self._form()
 
     def _form(self):
