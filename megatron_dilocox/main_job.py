@@ -39,6 +39,16 @@ def gpt_flags(corpus: str, iters: int, tp: int, pp: int) -> list[str]:
         "--valid-data-path", f"{corpus}/valid_text_document"]
 
 
+def split_dilocox_flags(extra: list[str]) -> tuple[list[str], list[str]]:
+    """(--dilocox-* flags with their values, everything else): a value follows its flag."""
+    mine, theirs, target = [], [], None
+    for x in extra:
+        if x.startswith("--"):
+            target = mine if x.startswith("--dilocox") else theirs
+        (target if target is not None else theirs).append(x)
+    return mine, theirs
+
+
 def main(argv=None):
     from megatron_dilocox.launch import split_passthrough
     own, extra = split_passthrough(argv)
@@ -64,8 +74,9 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     dilocox = ["--dilocox-h", str(a.h), "--dilocox-lowrank-rank", "8", "--dilocox-lowrank-min-dim", "64",
                "--dilocox-quant-bits", "4", "--dilocox-metrics-file", os.path.join(out, "metrics_c{cluster}.jsonl")]
-    dilocox += [x for x in extra if x.startswith("--dilocox")]
-    megatron = gpt_flags(a.data, a.iters, a.tp, a.pp) + [x for x in extra if not x.startswith("--dilocox")]
+    mine, theirs = split_dilocox_flags(extra)
+    dilocox += mine
+    megatron = gpt_flags(a.data, a.iters, a.tp, a.pp) + theirs
     codes, logs = run(a.clusters, a.tp * a.pp, megatron, dilocox_args=dilocox,
                       echo_filter=r"iteration\s+\d+/|\[dilocox\]|validation loss|Error|error:|Traceback|CPU backend")
     if any(codes):
