@@ -78,7 +78,7 @@ def config_from_args(args) -> Optional[DiLoCoXConfig]:
              if getattr(args, "dilocox_" + f.name, None) is not None}
     if not getattr(args, "dilocox", False):
         if given:
-            names = ", ".join(flag_name(n) for n in sorted(given))
+            names = ", ".join(_no_flag(n) if given[n] is False else flag_name(n) for n in sorted(given))
             raise DiLoCoXConfigError(f"{names} given without --dilocox; add --dilocox to enable DiLoCoX "
                                      f"or drop these flags for plain Megatron")
         return None

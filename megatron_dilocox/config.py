@@ -130,7 +130,8 @@ class DiLoCoXConfig:
                 fail("rendezvous", f"must be HOST:PORT with a port in 1..65535, got {self.rendezvous!r}")
             if not self.secret:
                 fail("secret", f"is required with more than one cluster: set ${SECRET_ENV} on every cluster")
-        if not (isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds > 0):
+        if not (isinstance(self.timeout_seconds, (int, float)) and math.isfinite(self.timeout_seconds)
+                and self.timeout_seconds > 0):
             fail("timeout_seconds", f"must be a positive number of seconds, got {self.timeout_seconds!r}")
 
         if self.on_peer_failure not in PEER_FAILURE_POLICIES:

@@ -239,7 +239,7 @@ def dilocox_main():
     from megatron_dilocox.glue.seam import current_optimizer, install_from_args
     try:
         main(extra_args_provider=add_dilocox_args, install_hooks=install_from_args)
-    except SystemExit as exc:  # Megatron's early exit: non-zero when DiLoCoX stopped the run
+    except SystemExit:  # Megatron's early exit: non-zero when DiLoCoX stopped the run
         optimizer = current_optimizer()
         if optimizer is not None and optimizer.sync.stopped:
             print(f"[dilocox] ERROR: {optimizer.sync.stopped}; a checkpoint was saved if --save was given",

@@ -63,6 +63,17 @@ def _get(store, key: str, deadline: float, waiting_for: str) -> bytes:
         raise RendezvousError(f"DiLoCoX rendezvous: {waiting_for}") from exc
 
 
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """{"dilocox": {"h": 8}} -> {"dilocox.h": 8}: a difference is named by the setting itself."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 class InterClusterGroup(Collective):
     """This rank's gloo group with the same local rank in every other cluster."""
 
@@ -78,14 +89,14 @@ class InterClusterGroup(Collective):
         self.membership = Membership(store, cfg.cluster_id, local_rank, local_world, cfg.num_clusters,
                                      cfg.timeout_seconds, cfg.on_peer_failure, self._verify_join)
         # a restarted cluster finds the run in progress (cluster 0 marks it once everyone has joined)
-        self.joining = cfg.cluster_id != 0 and self.base.check(["running"])
+        self.joining = cfg.cluster_id != 0 and self._run_in_progress()
         self.session = self._authenticate(self.base)
         self._check_fingerprints(self.base, self.session, fingerprint or {})
         self.admission: Optional[dict] = None
         if self.joining:
             self.admission = self.membership.wait_for_admission()
-        elif cfg.cluster_id == 0:
-            self.base.set("running", "1")
+        elif cfg.cluster_id == 0:  # signed: a forged mark would only send a real peer down the join path
+            self.base.set("running", _mac(cfg.secret, "running", self.session))
         coordinator = self.membership.coordinator
         self._heartbeat = Heartbeat(lambda: connect_store(cfg, host_store=False), cfg.cluster_id,
                                     watch=range(cfg.num_clusters) if coordinator else ()) \
@@ -94,12 +105,37 @@ class InterClusterGroup(Collective):
             self.membership.heartbeat = self._heartbeat
         self._form()
 
+    def _run_in_progress(self) -> bool:
+        if not self.base.check(["running", "challenge"]):
+            return False
+        session = self.base.get("challenge").decode()
+        return hmac.compare_digest(self.base.get("running").decode(), _mac(self.cfg.secret, "running", session))
+
     def _form(self):
         """The gloo group of the current members (a new one per epoch: a group that lost a peer is dead)."""
         m = self.membership
         self.rank, self.size = m.members.index(self.cluster), len(m.members)
         self.pg = ProcessGroupGloo(PrefixStore(f"pg/{self.session}/e{m.epoch}", self.base), self.rank, self.size,
                                    self.timeout)
+        self._prove_members()
+
+    def _prove_members(self):
+        """Every member proves the secret over the new group itself before any payload: the store is
+        plain TCP, so whoever reaches its port could have taken a member's slot in the group."""
+        m = self.membership
+        nonce = secrets.token_hex(16)
+        proof = f"{self.cluster:08d}{nonce}{_mac(self.cfg.secret, 'member', self.session, m.epoch, self.cluster, nonce)}"
+        mine = torch.frombuffer(bytearray(proof.encode()), dtype=torch.uint8)
+        for rank, buf in enumerate(self._all_gather(mine)):
+            text = bytes(buf.tolist()).decode(errors="replace")
+            cluster, nonce_r, mac = text[:8], text[8:40], text[40:]
+            expected = m.members[rank]
+            ok = cluster == f"{expected:08d}" and hmac.compare_digest(
+                mac, _mac(self.cfg.secret, "member", self.session, m.epoch, expected, nonce_r))
+            if not ok:
+                raise RendezvousError(f"DiLoCoX: the member in cluster {expected}'s place in the inter-cluster group "
+                                      f"(local rank {self.local_rank}, epoch {m.epoch}) could not prove the shared "
+                                      f"secret; refusing the group (is someone else reaching the rendezvous port?)")
 
     @property
     def elastic(self) -> bool:
@@ -175,9 +211,10 @@ class InterClusterGroup(Collective):
         reference = posted(0)
         problems = []
         for peer in range(self.size):
-            theirs = posted(peer)
-            diff = sorted(k for k in set(reference) | set(theirs) if reference.get(k) != theirs.get(k))
-            problems += [f"{k}: cluster 0 has {reference.get(k)!r}, cluster {peer} has {theirs.get(k)!r}" for k in diff]
+            theirs = _flatten(posted(peer))
+            diff = sorted(k for k in set(_flatten(reference)) | set(theirs) if _flatten(reference).get(k) != theirs.get(k))
+            problems += [f"{k}: cluster 0 has {_flatten(reference).get(k)!r}, cluster {peer} has {theirs.get(k)!r}"
+                         for k in diff]
         # cluster 0 hosts the store for local rank 0: it must not leave before every peer has read
         store.add(f"fingerprint/{session}/read", 1)
         if self.rank == 0 and not self.joining:

@@ -5,7 +5,6 @@ must detect the loss within the timeout and follow --dilocox-on-peer-failure (me
 drops the round on every survivor and stops; ``continue`` carries on with the survivors and lets a
 restarted cluster rejoin at a round boundary with the global state, after which all agree again.
 """
-import time
 
 import pytest
 import torch

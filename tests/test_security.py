@@ -1,0 +1,299 @@
+"""The shared secret: it never leaks, and without it a peer can neither join nor send a payload.
+
+1. A real 2-cluster Megatron run (megatron_dilocox.launch, torchrun per cluster, TP1 PP2) with a distinctive random
+   ``$DILOCOX_SECRET``, saving ``torch_dist`` checkpoints (``--save``, ``--save-interval``), the metrics JSONL,
+   tensorboard events and an offline wandb run (``WANDB_MODE=offline``; Megatron puts its args into the wandb
+   config). While it runs, every process of the run (found by a marker in its environment) has its
+   ``/proc/<pid>/cmdline`` read, and ``ps`` is sampled; afterwards every output line and every file written is
+   searched byte-wise (zip members decompressed) for the secret.
+2. Real processes and the real ``InterClusterGroup``: a peer with the wrong secret is refused with the
+   message, cluster 0 keeps waiting, the right peer then joins; the payload cluster 0 receives is the right
+   peer's, never the impostor's.
+3. (expected failure, a known gap) a process that reaches the rendezvous port but has no secret must not get
+   into cluster 0's gloo group: today it does, and cluster 0 takes its payload.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import re
+import secrets
+import subprocess
+import threading
+import time
+import zipfile
+
+
+from megatron_dilocox.local_launch import free_port
+
+# ------------------------------------------------------------------------------------------------------
+# 1. the secret never leaks from a real run
+
+
+def _marked_processes(marker: bytes, secret: bytes, seen: dict):
+    """Every process whose environment holds ``marker``: seen[pid] = [every command line it showed (a fork
+    shows its parent's until it execs), whether the secret was in its environment]."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            if marker not in environ:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # gone, or not ours
+            continue
+        if cmdline:  # a zombie has none
+            entry = seen.setdefault(int(pid), [[], False])
+            if cmdline not in entry[0]:
+                entry[0].append(cmdline)
+            entry[1] = entry[1] or secret in environ
+
+
+def _file_blobs(path: str):
+    """The file's bytes, and each member's decompressed bytes when it is a zip (torch.save archives)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    yield path, data
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                yield f"{path}!{name}", z.read(name)
+
+
+def test_secret_never_leaks_from_a_real_two_cluster_run(tmp_path):
+    from megatron_dilocox.launch import run
+    from megatron_dilocox.metrics import read_rows
+    from tests.test_bad_input import megatron_flags
+
+    secret = "dlxsec-" + secrets.token_hex(24)
+    marker = "run-" + secrets.token_hex(8)
+    d = str(tmp_path)
+    flags = megatron_flags(iters=4, global_batch=2, eval_iters=1) + [
+        "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist", "--save", f"{d}/ckpt_c{{cluster}}",
+        "--save-interval", "2",
+        "--tensorboard-dir", f"{d}/tb_c{{cluster}}", "--wandb-project", "dilocox-security",
+        "--wandb-exp-name", "c{cluster}", "--wandb-save-dir", f"{d}/wandb_c{{cluster}}"]
+    dilocox = ["--dilocox-h", "2", "--dilocox-lowrank-rank", "4", "--dilocox-lowrank-min-dim", "32",
+               "--dilocox-quant-block-size", "64", "--dilocox-no-adaptive-h", "--dilocox-timeout-seconds", "120",
+               "--dilocox-metrics-file", f"{d}/metrics_c{{cluster}}.jsonl"]
+    seen, ps_hits, ps_samples, result = {}, [], [], {}
+
+    def train():
+        result["codes"], result["logs"] = run(
+            2, 2, flags, dilocox, timeout=300, echo=False,
+            env={"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline", "DILOCOX_SECRET": secret,
+                 "DILOCOX_SECURITY_MARKER": marker})
+    thread = threading.Thread(target=train)
+    thread.start()
+    while thread.is_alive():  # watch the run's processes while they live
+        _marked_processes(marker.encode(), secret.encode(), seen)
+        ps = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+        ps_samples.append(ps)
+        ps_hits += [line for line in ps.splitlines() if secret in line]
+        thread.join(timeout=0.3)
+    codes, logs = result["codes"], result["logs"]
+    for c, log in enumerate(logs):
+        with open(f"{d}/output_c{c}.log", "w") as f:  # what the run printed (searched below like every file)
+            f.write("\n".join(log.lines))
+    assert codes == [0, 0], "\n".join(line for log in logs for line in log.lines
+                                      if re.search(r"rror|xception|imeout|\[dilocox\]|Signal", line))
+
+    # command lines: of every process of the run, and in ps
+    agents = [pid for pid, (cmds, _) in seen.items() if b"torch.distributed.run" in cmds[-1]]
+    workers = {pid: has for pid, (cmds, has) in seen.items()
+               if b"megatron_dilocox.pretrain_gpt" in cmds[-1] and b"torch.distributed.run" not in cmds[-1]}
+    assert len(agents) >= 2 and len(workers) >= 4, [cmds[-1][:120] for cmds, _ in seen.values()]
+    assert all(workers.values())  # the secret was really there, in each worker's environment
+    assert not [c for cmds, _ in seen.values() for c in cmds if secret.encode() in c]
+    assert not ps_hits and any("megatron_dilocox.pretrain_gpt" in ps for ps in ps_samples)
+
+    # every output line
+    for log in logs:
+        assert any(line.startswith("[dilocox] DiLoCoX round 2") for line in log.lines)
+        assert not [line for line in log.lines if secret in line]
+
+    # every file the run wrote: checkpoints, metrics, tensorboard, offline wandb run
+    files = [os.path.join(root, f) for root, _, fs in os.walk(d) for f in fs]
+    kinds = {kind: [f for f in files if test(f)] for kind, test in {
+        "checkpoint": lambda f: "/ckpt_c" in f and f.endswith(".distcp"),
+        "metrics": lambda f: f.endswith(".jsonl"),
+        "tensorboard": lambda f: "tfevents" in f,
+        "wandb": lambda f: f.endswith(".wandb"),
+    }.items()}
+    assert all(len(v) >= 2 for v in kinds.values()), kinds  # both clusters wrote each kind
+    needles = (secret.encode(), secret.encode("utf-16-le"))
+    leaks = [name for f in files for name, blob in _file_blobs(f) if any(n in blob for n in needles)]
+    assert not leaks
+    # the searched files do hold the argument dumps the secret could have slipped into
+    assert any(b"dilocox_config" in blob for f in kinds["checkpoint"] for _, blob in _file_blobs(f))
+    assert all(b"dilocox_timeout_seconds" in open(f, "rb").read() for f in kinds["wandb"])
+    rows = [read_rows(f"{d}/metrics_c{c}.jsonl") for c in range(2)]
+    assert [r["round"] for r in rows[0]] == [1, 2] and \
+        [r["global_model_hash"] for r in rows[0]] == [r["global_model_hash"] for r in rows[1]]
+
+
+# ------------------------------------------------------------------------------------------------------
+# 2. a peer with the wrong secret cannot join, and cannot inject a payload
+
+
+def _peer(cluster: int, secret: str, rendezvous: str, value: float, attempts: int, out, go=None):
+    """Join as ``cluster`` (cluster 0 hosts) once ``go`` is set; when joined, all-gather ``value``.
+    Report each attempt."""
+    import torch
+
+    from megatron_dilocox.config import DiLoCoXConfig
+    from megatron_dilocox.topology import InterClusterGroup, connect_store
+    torch.set_num_threads(1)
+    if go is not None:  # imported and ready: start when told
+        go.wait(120)
+    cfg = DiLoCoXConfig(num_clusters=2, cluster_id=cluster, rendezvous=rendezvous, timeout_seconds=60)
+    cfg.secret = secret
+    cfg.validate()
+    for _ in range(attempts):
+        try:
+            group = InterClusterGroup(cfg, 0, connect_store(cfg, host_store=(cluster == 0)))
+        except Exception as exc:
+            out.put((cluster, value, f"{type(exc).__name__}: {exc}", None))
+            continue
+        gathered = [float(t) for t in group.all_gather(torch.tensor([value], dtype=torch.float64))]
+        out.put((cluster, value, "joined", gathered))
+        group.close()
+        time.sleep(1.0)  # cluster 0 hosts the store: let the peer finish reading before it goes
+        return
+
+
+def test_wrong_secret_cannot_join_or_inject_and_the_right_peer_then_joins():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    right, wrong = "right-" + secrets.token_hex(16), "wrong-" + secrets.token_hex(16)
+    rendezvous = f"127.0.0.1:{free_port()}"
+    host = ctx.Process(target=_peer, args=(0, right, rendezvous, 10.0, 1, out), daemon=True)
+    impostor = ctx.Process(target=_peer, args=(1, wrong, rendezvous, 666.0, 2, out), daemon=True)
+    go = ctx.Event()  # the right peer starts with the others, but joins only after the impostor was refused
+    honest = ctx.Process(target=_peer, args=(1, right, rendezvous, 111.0, 1, out, go), daemon=True)
+    procs = [host, impostor, honest]
+    try:
+        host.start()
+        impostor.start()
+        honest.start()
+        refused = [out.get(timeout=90) for _ in range(2)]  # the impostor tries twice
+        refusal = ("RendezvousError: DiLoCoX rendezvous refused by cluster 0: wrong secret from cluster 1 "
+                   "(set the same $DILOCOX_SECRET on every cluster)")
+        assert refused == [(1, 666.0, refusal, None)] * 2  # never a group, so never a payload
+        impostor.join(timeout=30)
+        assert impostor.exitcode == 0
+        time.sleep(1.0)
+        assert host.is_alive() and out.empty()  # cluster 0 is still waiting for the right peer
+        go.set()
+        joined = sorted([out.get(timeout=90) for _ in range(2)])
+        assert joined == [(0, 10.0, "joined", [10.0, 111.0]), (1, 111.0, "joined", [10.0, 111.0])]
+        for p in (host, honest):
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert right not in refusal and wrong not in refusal
+
+
+# ------------------------------------------------------------------------------------------------------
+# 3. a host that can reach the rendezvous port, without the secret, must not take a peer's place
+
+
+def _store_attacker(rendezvous: str, out):
+    """No secret, only the store port. The challenge names the gloo group's store prefix; the "running" key
+    sends a real peer that starts afterwards down the rejoin path (it waits for an admission that never
+    comes, so it never posts its gloo address). Enter the group as rank 1, keep rank 1's address in the
+    store ours, then all-gather a payload of our own."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    host, _, port = rendezvous.rpartition(":")
+    base = dist.PrefixStore("dilocox/lr0", dist.TCPStore(host, int(port), is_master=False,
+                                                         timeout=timedelta(seconds=30)))
+    base.wait(["challenge"])
+    base.set("running", "1")
+    pg_store = dist.PrefixStore(f"pg/{base.get('challenge').decode()}/e0", base)
+    written = {}
+
+    class Recording(dist.Store):  # gloo posts rank r's address under "0/<r>": remember ours
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def set(self, key, value):
+            written[key] = value
+            return self.inner.set(key, value)
+
+        def get(self, key):
+            return self.inner.get(key)
+
+        def wait(self, keys, timeout=None):
+            return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+        def add(self, key, value):
+            return self.inner.add(key, value)
+
+        def check(self, keys):
+            return self.inner.check(keys)
+
+    box = {}
+
+    def enter():
+        try:
+            box["pg"] = dist.ProcessGroupGloo(Recording(pg_store), 1, 2, timedelta(seconds=15))
+        except Exception as exc:
+            box["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    thread = threading.Thread(target=enter, daemon=True)
+    thread.start()
+    while "0/1" not in written and thread.is_alive():
+        time.sleep(0.001)
+    out.put(("attacker", "ready", None))
+    while thread.is_alive() and "0/1" in written:
+        pg_store.set("0/1", written["0/1"])
+        time.sleep(0.0002)
+    if "pg" not in box:
+        out.put(("attacker", box.get("error"), None))
+        return
+    got = [torch.empty(1, dtype=torch.float64) for _ in range(2)]
+    box["pg"].allgather([got], [torch.tensor([666.0], dtype=torch.float64)]).wait()
+    out.put(("attacker", "in the group", [float(t) for t in got]))
+    time.sleep(2.0)
+
+
+def test_store_reachable_attacker_without_the_secret_cannot_enter_the_group():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    secret, rendezvous = "right-" + secrets.token_hex(16), f"127.0.0.1:{free_port()}"
+    host = ctx.Process(target=_peer, args=(0, secret, rendezvous, 10.0, 1, out), daemon=True)
+    attacker = ctx.Process(target=_store_attacker, args=(rendezvous, out), daemon=True)
+    go = ctx.Event()
+    honest = ctx.Process(target=_peer, args=(1, secret, rendezvous, 111.0, 1, out, go), daemon=True)
+    procs = [host, attacker, honest]
+    reports = []
+    try:
+        for p in procs:
+            p.start()
+        reports.append(out.get(timeout=90))
+        assert reports == [("attacker", "ready", None)]
+        go.set()  # the real peer joins now
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not {0, "attacker"} <= {r[0] for r in reports}:
+            try:
+                reports.append(out.get(timeout=1.0))
+            except queue_mod.Empty:
+                pass
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert not [r for r in reports if r[0] == "attacker" and r[1] == "in the group"], reports
+    host_gathered = [r[3] for r in reports if r[0] == 0 and r[2] == "joined"]
+    assert not [g for g in host_gathered if 666.0 in g], reports  # cluster 0 never took the attacker's payload
