@@ -15,6 +15,14 @@ no low-precision sum can overflow and every cluster gets bitwise the same Δ; fp
 all-reduce (fewer bytes for C > 2). Error feedback is local (Vogels et al., 2019): the decompression of
 this cluster's own P^ Q'^T, so the running sum of transmitted updates equals the running sum of true
 updates minus the current e.
+
+Memory traffic. A round is bound by passes over M-sized memory, so e, M and Δ live in "slabs" (one
+[B, rows, cols] tensor per same-shape group, one flat tensor for the whole tensors): M = δ + e is written
+straight into a slab and e is computed in place in it, norms are row-wise reductions without temporaries,
+and the slabs -- three fp32 copies of the tensors (e, a spare for the next M, the last Δ), allocated at
+construction -- are reused every round (a fresh M-sized tensor costs a page fault per 4 KiB on CPU).
+A slab is reused only while nothing outside the codec references its memory (a snapshot, a view from
+``error``, a caller still holding the last Δ); otherwise a new one is allocated.
 """
 from __future__ import annotations
 
@@ -92,7 +100,13 @@ class PseudoGradientCodec:
             else:
                 self.whole.append(i)
         self.groups = list(by_shape.values())
-        self.error = [torch.zeros(s, dtype=torch.float32, device=self.device) for s in self.shapes]
+        # slabs: groups in order, then (if any) the whole tensors concatenated
+        slab_shapes = [(len(g.members), g.rows, g.cols) for g in self.groups]
+        slab_shapes += [(sum(self.numels[i] for i in self.whole),)] if self.whole else []
+        # allocated and paged in once, here: no round (the first included) allocates M-sized memory
+        self._err = [torch.zeros(s, dtype=torch.float32, device=self.device) for s in slab_shapes]
+        self._spare = [torch.zeros_like(e) for e in self._err]  # slabs free for the next M (last round's e)
+        self._out = [torch.zeros_like(e) for e in self._err[:len(self.groups)]]  # last round's Δ slabs
         self.q = [lowrank.init_q(len(g.members), g.cols, self.rank, config.seed, gi, self.device)
                   for gi, g in enumerate(self.groups)]
         self.layout_hash = self._layout_hash()
@@ -119,19 +133,40 @@ class PseudoGradientCodec:
             self.q = [lowrank.resize_q(q, rank, self.cfg.seed, gi, round_idx) for gi, q in enumerate(self.q)]
             self.rank = rank
 
+    def _views(self, slabs) -> list:
+        """Per-tensor views (parameter order) of slabs laid out as ``self._err``."""
+        out = [None] * len(self.shapes)
+        for g, slab in zip(self.groups, slabs):
+            for b, i in enumerate(g.members):
+                out[i] = slab[b].view(self.shapes[i])
+        if self.whole:
+            for i, piece in zip(self.whole, slabs[-1].split([self.numels[i] for i in self.whole])):
+                out[i] = piece.view(self.shapes[i])
+        return out
+
+    def _slab(self, pool: list, k: int, shape) -> torch.Tensor:
+        """pool[k] when nothing outside the codec references its memory, else a new tensor."""
+        old = pool[k] if k < len(pool) else None
+        if old is not None and old.shape == shape and _unaliased(old):
+            return old
+        return torch.empty(shape, dtype=torch.float32, device=self.device)
+
     # ---------------------------------------------------------------------------------- exchange
     def exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
                  comm_seconds_prev: float = 0.0, step_seconds: float = 0.0) -> ExchangeResult:
         t_enter = time.perf_counter()
         C = coll.size
         sent0, recv0 = coll.counter.sent, coll.counter.received
-        M = [d.detach().to(self.device, torch.float32).reshape(s) + e
-             for d, s, e in zip(deltas, self.shapes, self.error)]
-        local_ok = all(bool(torch.isfinite(m).all()) for m in M)
+        M = [self._slab(self._spare, k, e.shape) for k, e in enumerate(self._err)]
+        for d, s, e, m in zip(deltas, self.shapes, self.error, self._views(M)):
+            d = d.detach().to(self.device)
+            torch.add((d if d.dtype in _EXACT_IN_FP32 else d.float()).reshape(s), e, out=m)  # M = δ + e
+        m_sq = [_sumsq(m) for m in M]  # ||M||² per slab: energy total, rel. error, and the finiteness check
+        local_ok = all(map(math.isfinite, m_sq)) or all(bool(torch.isfinite(m).all()) for m in M)
         result = ExchangeResult(round=round_idx, deltas=None, status="applied", num_clusters=C,
                                 rank=self.rank, next_rank=self.rank, local_ok=local_ok,
                                 bytes_dense_fp32=dense_allreduce_bytes(sum(self.numels), C),
-                                pseudo_grad_norm=_norm(deltas))
+                                pseudo_grad_norm=math.sqrt(sum(_sumsq(d) for d in deltas)))
 
         def finish(status: Optional[str] = None) -> ExchangeResult:
             result.bytes_sent = coll.counter.sent - sent0
@@ -139,7 +174,7 @@ class PseudoGradientCodec:
             if status is not None:
                 result.status, result.deltas = status, None
                 if local_ok:  # keep this round's progress for the next round instead of losing it
-                    self.error = M
+                    self._spare, self._err = self._err, M
             return result
 
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
@@ -153,53 +188,44 @@ class PseudoGradientCodec:
         if bad:
             return finish(f"refused: non-finite pseudo-gradient from cluster(s) {bad}")
 
-        mats = [torch.stack([M[i].reshape(g.rows, g.cols) for i in g.members]) for g in self.groups]
-        whole = torch.cat([M[i].reshape(-1) for i in self.whole]) if self.whole else None
+        G = len(self.groups)
         # factors travel column by column ([B, r, n]): a column's entries share a scale (its singular
         # value), so quantization blocks never mix a large column with a small one
-        pieces1 = [torch.bmm(m, q).transpose(1, 2) for m, q in zip(mats, self.q)]
-        pieces1 += [whole] if whole is not None else []
+        pieces1 = [torch.bmm(m, q).transpose(1, 2) for m, q in zip(M, self.q)]
+        pieces1 += M[G:]  # the whole tensors, already one flat slab
         sums1, sent1, _ = self._reduce(pieces1, [], coll)
-        if not all(bool(torch.isfinite(s).all()) for s in sums1):
+        if not all(map(_finite, sums1)):
             return finish("refused: non-finite values in the averaged phase-1 payload")
 
-        out = [None] * len(M)
-        transmitted = [None] * len(M)
-        G = len(self.groups)
-        if whole is not None:
-            mean_whole, own_whole = sums1[G] / C, sent1[G]
-            offset = 0
-            for i in self.whole:
-                n = self.numels[i]
-                out[i] = mean_whole[offset:offset + n].view(self.shapes[i])
-                transmitted[i] = own_whole[offset:offset + n].view(self.shapes[i])
-                offset += n
+        out, e_sq = [], [None] * len(M)  # e_sq: ||e||² per slab, for the relative error
         if G:
             p_hat = [lowrank.orthonormalize(s.transpose(1, 2) / C) for s in sums1[:G]]
-            q_local = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(mats, p_hat)]
-            cum = sum(lowrank.cumulative_energy(q) for q in q_local)
-            total = sum(float((m * m).sum()) for m in mats)
-            stats = torch.cat([cum, torch.tensor([total])]).float()
-            sums2, sent2, (stat_sum,) = self._reduce([q.transpose(1, 2) for q in q_local], [stats], coll)
-            sums2, sent2 = [s.transpose(1, 2) for s in sums2], [s.transpose(1, 2) for s in sent2]
-            if not all(bool(torch.isfinite(s).all()) for s in sums2):
+            # Q'^T = P^^T M ([B, r, cols]: the wire layout; reads M row-major, faster than M^T P^)
+            qt_local = [torch.bmm(p.transpose(1, 2), m) for m, p in zip(M, p_hat)]
+            cum = sum(lowrank.cumulative_energy(q.transpose(1, 2)) for q in qt_local)
+            stats = torch.cat([cum, torch.tensor([sum(m_sq[:G])])]).float()
+            sums2, sent2, (stat_sum,) = self._reduce(qt_local, [stats], coll)
+            if not all(map(_finite, sums2)):
                 return finish("refused: non-finite values in the averaged phase-2 payload")
-            for g, p, qsum, qsent in zip(self.groups, p_hat, sums2, sent2):
-                q_mean = qsum / C
-                approx = torch.bmm(p, q_mean.transpose(1, 2))
-                own = torch.bmm(p, qsent.transpose(1, 2))
-                for b, i in enumerate(g.members):
-                    out[i] = approx[b].reshape(self.shapes[i])
-                    transmitted[i] = own[b].reshape(self.shapes[i])
-            self.q = [qsum / C for qsum in sums2]  # warm start: the shared averaged Q
+            q_mean = [s / C for s in sums2]  # [B, r, cols]
+            for k, (m, p, qm, qs) in enumerate(zip(M, p_hat, q_mean, sent2)):
+                out.append(torch.bmm(p, qm, out=self._slab(self._out, k, m.shape)))  # Δ = P^ mean(Q')^T
+                m.baddbmm_(p, qs, alpha=-1)  # e = M - P^ Q'_sent^T, in place: M is not needed after this
+                e_sq[k] = _residual_sq(m_sq[k], p, qt_local[k], qs)
+                if not e_sq[k] >= 1e-2 * m_sq[k]:  # closed form lost to cancellation (or NaN): measure
+                    e_sq[k] = _sumsq(m)
+            self.q = [q.transpose(1, 2) for q in q_mean]  # warm start: the shared averaged Q, [B, cols, r]
             if self.cfg.adaptive_rank:
                 result.next_rank = adaptive.choose_rank(
                     stat_sum[:-1].tolist(), float(stat_sum[-1]), self.rank, self.cfg.energy_threshold,
                     self.cfg.resolved_rank_min, self.cfg.resolved_rank_max)
+        if self.whole:
+            out.append(sums1[G] / C)
+            e_sq[G] = _sumsq(M[G].sub_(sent1[G]))  # e = M - what this cluster transmitted
 
-        self.error = [m - t for m, t in zip(M, transmitted)]
-        result.compression_rel_error = _norm(self.error) / max(_norm(M), 1e-30)
-        result.deltas = out
+        self._spare, self._err, self._out = self._err, M, out[:G]
+        result.compression_rel_error = math.sqrt(sum(e_sq)) / max(math.sqrt(sum(m_sq)), 1e-30)
+        result.deltas = self._views(out)
         return finish()
 
     def _check_headers(self, headers, mine, coll: Collective):
@@ -246,28 +272,72 @@ class PseudoGradientCodec:
         return sums, sent, parts[len(flat):]
 
     # ---------------------------------------------------------------------------------- state
+    @property
+    def error(self) -> list:
+        """Error feedback per tensor: views into the codec's slabs, unchanged while they are alive (exchange
+        never writes into memory something outside the codec references). Assign a list to replace e."""
+        return self._views(self._err)
+
+    @error.setter
+    def error(self, tensors):
+        tensors = [t.detach().to(self.device, torch.float32).reshape(s) for t, s in zip(tensors, self.shapes)]
+        slabs = [torch.stack([tensors[i].reshape(g.rows, g.cols) for i in g.members]) for g in self.groups]
+        self._err = slabs + ([torch.cat([tensors[i].reshape(-1) for i in self.whole])] if self.whole else [])
+
     def snapshot(self):
-        """What an exchange may change (it replaces these lists, never writes into them): taken before an
-        attempt so that a round the clusters did not commit leaves no trace."""
-        return self.error, self.q, self.rank
+        """What an exchange may change, taken before an attempt so that a round the clusters did not commit
+        leaves no trace: aliases of the error slabs (no copy; while they live, exchange never writes into
+        that memory and replaces the q list rather than writing into it)."""
+        return [e.detach() for e in self._err], self.q, self.rank
 
     def restore(self, snap):
-        self.error, self.q, self.rank = snap
+        err, self.q, self.rank = snap
+        self._err = list(err)
 
     def state_dict(self) -> dict:
         return {"error": [e.clone() for e in self.error], "q": [q.clone() for q in self.q], "rank": self.rank}
 
     def load_state_dict(self, state: dict):
-        if len(state["error"]) != len(self.error) or len(state["q"]) != len(self.q):
+        if len(state["error"]) != len(self.shapes) or len(state["q"]) != len(self.q):
             raise ValueError("DiLoCoX codec state does not match this model's parameter layout")
         self.rank = int(state["rank"])
-        self.error = [e.to(self.device, torch.float32).clone() for e in state["error"]]
+        self.error = state["error"]
         self.q = [q.to(self.device, torch.float32).clone() for q in state["q"]]
 
 
-def _norm(tensors) -> float:
-    total = 0.0
-    for t in tensors:
-        f = t.float()  # one fp32 copy per tensor (none when already fp32), squared once
-        total += float((f * f).sum())
-    return math.sqrt(total)
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # torch.add(x, fp32) promotes these exactly
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private but stable (torch._inductor uses it)
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    return _use_count(t.untyped_storage()._cdata)
+
+
+_LONE = _storage_refs(torch.empty(1)) if _use_count else None  # what a tensor nothing else aliases counts
+
+
+def _unaliased(t: torch.Tensor) -> bool:
+    """No other tensor (view, snapshot alias, caller's result) shares ``t``'s memory."""
+    return _LONE is not None and _storage_refs(t) == _LONE
+
+
+def _sumsq(t: torch.Tensor) -> float:
+    """Σ t² in float64, one read and no t-sized temporary: fp32 norms of 1024-value rows (a single flat fp32
+    reduction over 10^7 values loses ~0.3%), summed in float64. NaN/Inf anywhere make it non-finite."""
+    flat = (t if t.dtype in _EXACT_IN_FP32 else t.float()).reshape(-1)
+    n = flat.numel() - flat.numel() % 1024
+    rows = torch.linalg.vector_norm(flat[:n].view(-1, 1024), dim=1, dtype=torch.float32).double()
+    tail = torch.linalg.vector_norm(flat[n:], dtype=torch.float32).double()
+    return float(rows.square().sum() + tail.square())
+
+
+def _residual_sq(m_sq: float, p: torch.Tensor, qt_local: torch.Tensor, qt_sent: torch.Tensor) -> float:
+    """||M - P^ S^T||² from the small factors, without reading M again (S^T = qt_sent, P^^T M = qt_local):
+    ||M||² - 2 <P^^T M, S^T> + <P^^T P^, S^T S>, in float64. Accurate while ||e||² is not << ||M||²."""
+    p, q, s = p.double(), qt_local.double(), qt_sent.double()
+    return m_sq - 2 * float((q * s).sum()) + float(((p.mT @ p) * (s @ s.mT)).sum())
+
+
+def _finite(t: torch.Tensor) -> bool:
+    # exact: a finite Σ t² proves every value finite; only overflowed or non-finite sums check elementwise
+    return math.isfinite(_sumsq(t)) or bool(torch.isfinite(t).all())

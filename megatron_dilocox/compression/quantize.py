@@ -51,13 +51,13 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     if bits == 16:
         return _as_bytes(flat.to(torch.bfloat16))
     nblocks = math.ceil(n / block)
-    padded = torch.zeros(nblocks * block, dtype=torch.float32, device=flat.device)
-    padded[:n] = flat
-    blocks = padded.view(nblocks, block)
+    if n % block:  # zero-pad the last block (whole blocks, the usual case, are quantized in place of a copy)
+        flat = torch.cat([flat, flat.new_zeros(nblocks * block - n)])
+    blocks = flat.view(nblocks, block)
     q = qmax(bits)
     scale = blocks.abs().amax(dim=1) / q
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(blocks / safe[:, None]).clamp_(-q, q).to(torch.int16).view(-1)[:n]
+    codes = torch.div(blocks, safe[:, None]).round_().clamp_(-q, q).to(torch.int16).view(-1)[:n]
     if bits == 8:
         data = codes.to(torch.int8).view(torch.uint8)
     else:  # 4 bits: offset to [1, 15], two codes per byte (low nibble first)
@@ -87,6 +87,6 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int) -> torc
         low = (data & 0x0F).to(torch.int16) - 8
         high = (data >> 4).to(torch.int16) - 8
         codes = torch.stack([low, high], dim=1).view(-1)[:numel].float()
-    padded = torch.zeros(nblocks * block, dtype=torch.float32, device=payload.device)
-    padded[:numel] = codes
-    return (padded.view(nblocks, block) * scale[:, None]).view(-1)[:numel]
+    if numel % block:
+        codes = torch.cat([codes, codes.new_zeros(nblocks * block - numel)])
+    return codes.view(nblocks, block).mul_(scale[:, None]).view(-1)[:numel]
