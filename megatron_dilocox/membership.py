@@ -25,6 +25,7 @@ next epoch's group and the round owner (``outer/sync.py``) hands the joiner the 
 """
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -59,6 +60,9 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dilocox-heartbeat", daemon=True)
         self._thread.start()
+        # stopped and joined before interpreter shutdown: a daemon thread left inside a store call while
+        # the process tears the store (on cluster 0, its server) down aborts the process (SIGABRT)
+        atexit.register(self.close)
 
     def _run(self):
         while not self._stop.is_set():
@@ -74,6 +78,8 @@ class Heartbeat:
 
     def close(self):
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
 
 
 class Membership:
