@@ -20,9 +20,6 @@ Only one WAN testbed can exist per host: do not run it next to tests/test_wan.py
 import importlib.util
 import json
 import math
-import os
-import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -32,18 +29,9 @@ import pytest
 from megatron_dilocox.launch import run
 from megatron_dilocox.metrics import ROUND_KEYS
 from tests.megatron_flags import tiny_gpt_flags
+from tests.test_wan import _skip_reason  # the WAN testbed's own preconditions, one place
 
 WAN_PY = Path(__file__).resolve().parent.parent / "scripts" / "wan" / "wan.py"
-
-
-def _skip_reason():
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "needs root (network namespaces, veth, tc)"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "iproute2 (ip, tc) not installed"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` unavailable"
-    return None
 
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
