@@ -61,6 +61,20 @@ def test_two_clusters_two_ranks_delay_mode_compressed(tmp_path):
         assert (r["H"], r["lowrank_rank"], r["quant_bits"]) == (3, rank, bits)
 
 
+@pytest.mark.parametrize("same_init", [True, False])
+def test_start_sends_cluster_0_model_only_where_it_differs(same_init):
+    """Clusters seeded alike (Megatron's --seed) already agree: start() compares a digest and sends nothing
+    (a 107B model over 1 Gbit/s would take an hour); differing inits get cluster 0's model."""
+    C = 2
+    res = run(C, ranks=2, steps=2, same_init=same_init, dilocox=spec(C, h=2, lowrank=False, quant_bits=32))
+    assert_no_errors(res)
+    for lr in range(2):
+        assert [res[(c, lr)]["start_broadcast"] for c in range(C)] == [not same_init] * C
+        expected = [p.detach() for p in make_model(lr).parameters()]  # cluster 0's init (seed 0 + local rank)
+        for c in range(C):
+            assert all(torch.equal(a, b) for a, b in zip(res[(c, lr)]["start_params"], expected))
+
+
 def test_three_clusters_no_overlap_replicas_identical_after_every_round():
     C = 3
     res = run(C, steps=8, dilocox=spec(C, h=2, overlap="none", lowrank_rank=4, lowrank_min_dim=8, quant_bits=8,

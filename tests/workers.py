@@ -68,7 +68,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     fingerprint = dict(spec.get("fingerprint", {}), **spec.get("fingerprint_by_cluster", {}).get(str(cluster), {}))
     group = group_cls(cfg, local_rank, store, fingerprint=fingerprint,
                       local_world=torch.distributed.get_world_size())
-    model = make_model(spec.get("init_seed", 0) + 17 * cluster + local_rank)  # cluster 0's init must win
+    model = make_model(spec.get("init_seed", 0) + (0 if spec.get("same_init") else 17 * cluster) + local_rank)
     if spec.get("wrong_shape_on_cluster") == cluster:
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN + 1), torch.nn.Tanh(), torch.nn.Linear(HIDDEN + 1, OUT))
     inner = make_inner(model, spec.get("inner", "adam"), spec.get("inner_lr", 0.01))
@@ -76,6 +76,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     sync = DiLoCoXSync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics).start()
     out = {"rows": [], "anchors": [], "params": [], "losses": [], "step_times": [], "error": None,
            "cluster": cluster, "joined_midrun": sync.joined_midrun, "first_iteration": sync.iteration,
+           "start_broadcast": sync.start_broadcast,
            "start_params": [p.detach().clone() for p in model.parameters()]}
     if spec.get("round_offset_cluster") == cluster:  # e.g. resumed from another round's checkpoint
         sync.round += 1

@@ -79,6 +79,26 @@ class _Group:
     members: list = field(default_factory=list)
 
 
+def split_layout(shapes: Sequence[torch.Size], config: DiLoCoXConfig) -> tuple[list[_Group], list[int]]:
+    """(low-rank groups of same-shape matrices, indices of the tensors sent whole). Raises the config error
+    for a rank above a matrix's min(rows, cols): the seam calls it before the rendezvous, so a bad rank is
+    reported at once rather than after waiting for the other clusters."""
+    by_shape: dict = {}
+    whole: list[int] = []
+    for i, s in enumerate(torch.Size(s) for s in shapes):
+        rows, cols = (s[0], s.numel() // s[0]) if len(s) >= 2 and s[0] > 0 else (0, 0)
+        if config.lowrank and min(rows, cols) >= config.lowrank_min_dim:
+            if config.resolved_rank_max > min(rows, cols):
+                raise DiLoCoXConfigError(
+                    f"--dilocox-lowrank-rank-max: rank {config.resolved_rank_max} exceeds min(rows, cols) = "
+                    f"{min(rows, cols)} of tensor {i} with shape {tuple(s)}; lower the rank or raise "
+                    f"--dilocox-lowrank-min-dim above {min(rows, cols)}")
+            by_shape.setdefault((rows, cols), _Group(rows, cols)).members.append(i)
+        else:
+            whole.append(i)
+    return list(by_shape.values()), whole
+
+
 class PseudoGradientCodec:
     def __init__(self, shapes: Sequence[torch.Size], config: DiLoCoXConfig, device="cpu"):
         self.cfg = config
@@ -86,20 +106,7 @@ class PseudoGradientCodec:
         self.numels = [s.numel() for s in self.shapes]
         self.device = torch.device(device)
         self.rank = config.lowrank_rank
-        by_shape: dict = {}
-        self.whole: list[int] = []
-        for i, s in enumerate(self.shapes):
-            rows, cols = (s[0], s.numel() // s[0]) if len(s) >= 2 and s[0] > 0 else (0, 0)
-            if config.lowrank and min(rows, cols) >= config.lowrank_min_dim:
-                if config.resolved_rank_max > min(rows, cols):
-                    raise DiLoCoXConfigError(
-                        f"--dilocox-lowrank-rank-max: rank {config.resolved_rank_max} exceeds min(rows, cols) = "
-                        f"{min(rows, cols)} of tensor {i} with shape {tuple(s)}; lower the rank or raise "
-                        f"--dilocox-lowrank-min-dim above {min(rows, cols)}")
-                by_shape.setdefault((rows, cols), _Group(rows, cols)).members.append(i)
-            else:
-                self.whole.append(i)
-        self.groups = list(by_shape.values())
+        self.groups, self.whole = split_layout(self.shapes, config)
         # slabs: groups in order, then (if any) the whole tensors concatenated
         slab_shapes = [(len(g.members), g.rows, g.cols) for g in self.groups]
         slab_shapes += [(sum(self.numels[i] for i in self.whole),)] if self.whole else []

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from megatron_dilocox.compression.codec import split_layout
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.glue import checkpoints
 from megatron_dilocox.glue.param_views import leaf_optimizers, main_param_views
@@ -65,6 +66,7 @@ class DiLoCoXOptimizer:
             self._dp_owner = [i % dp for i in range(len(views))]
             self._all_views = views
             views = [v for v, owner in zip(views, self._dp_owner) if owner == me]
+        split_layout([v.shape for v in views], cfg)  # a rank the matrices cannot hold fails here, not after the rendezvous
         rank = torch.distributed.get_rank()
         store = connect_store(cfg, host_store=(cfg.cluster_id == 0 and rank == 0)) if cfg.num_clusters > 1 else None
         group = (InterClusterGroup(cfg, rank, store, fingerprint(cfg, args, views),

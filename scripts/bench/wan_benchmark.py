@@ -22,7 +22,9 @@ on the link). Everything else runs the full --iters on the shaped link.
     .venv/bin/python scripts/bench/wan_benchmark.py [--quick] [--iters 100] [--rate 2mbit] [--out runs/bench]
 
 Prints a table (tokens/s, ratios to AllReduce and to the ceiling, validation loss and gap to AllReduce,
-bytes per round and in total vs dense fp32, exposed communication), writes JSON and PNG plots. --quick
+bytes per round and in total vs dense fp32, exposed communication), writes JSON and PNG plots. Tokens/s
+are steady state: Megatron's logged iteration times without the first interval (warm-up) and the last
+(DiLoCo's final flush, the last round's whole exchange, paid once per run); "xceil e2e" keeps both. --quick
 checks the invariants (DiLoCoX sends >= 50x fewer bytes than AllReduce and beats its tokens/s).
 """
 from __future__ import annotations
@@ -48,11 +50,18 @@ SEQ = 128
 GLOO_IF = {"GLOO_SOCKET_IFNAME": "wan0"}  # the cluster's uplink inside its namespace
 
 
-def steady_ms(log, skip=1):
-    """Mean of Megatron's per-iteration time over the logged intervals after the first ``skip``."""
+def steady_ms(log, skip=1, tail=0):
+    """Mean of Megatron's per-iteration time over the logged intervals, leaving out the first ``skip`` and
+    the last ``tail`` (the last interval holds DiLoCo's final flush: the last round's whole exchange, once
+    per training run however long)."""
     its = sorted(log.iter_ms)
-    vals = [log.iter_ms[i] for i in its[skip:]] or [log.iter_ms[i] for i in its]
+    vals = [log.iter_ms[i] for i in its[skip:len(its) - tail]] or [log.iter_ms[i] for i in its]
     return sum(vals) / len(vals)
+
+
+def tokens_per_s(logs, tokens_per_iter, tail=1):
+    """Steady tokens/s of all clusters (per cluster: tokens per iteration / its mean iteration time)."""
+    return sum(tokens_per_iter / (steady_ms(log, tail=tail) / 1000) for log in logs)
 
 
 def curve(log):
@@ -114,6 +123,9 @@ def main():
     ap.add_argument("--rate", default=None, help="link rate (e.g. 2mbit); default: from --paper-ratio")
     ap.add_argument("--paper-ratio", type=float, default=None,
                     help="dense fp32 all-reduce time / inner step time to emulate (default 325; --quick 20)")
+    ap.add_argument("--rank", type=int, default=6,
+                    help="low-rank rank of the compressed methods (default 6: the smallest whose validation loss "
+                         "stays within 1%% of uncompressed DiLoCo on this model, see benchmarks/results/README.md)")
     ap.add_argument("--allreduce-steps", type=int, default=None, help="AllReduce steps timed on the shaped link")
     ap.add_argument("--data", default=os.path.join(REPO, "data", "kjv"))
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "wan"))
@@ -132,7 +144,8 @@ def main():
         # 1) ceiling: both clusters at once, no inter-cluster traffic at all
         logs, _, wall = cluster_run(wan, "ceiling", per_cluster, None, a.out)
         step_s = max(steady_ms(log) for log in logs) / 1000.0
-        results["ceiling"] = dict(tokens_per_s=sum(tokens_per_iter / (steady_ms(log) / 1000) for log in logs),
+        results["ceiling"] = dict(tokens_per_s=tokens_per_s(logs, tokens_per_iter),
+                                  tokens_per_s_with_ends=tokens_per_s(logs, tokens_per_iter, tail=0),
                                   valid_loss=sum(log.valid_losses[-1] for log in logs) / 2, bytes_total=0,
                                   exposed_comm_seconds=0.0, wall_seconds=wall)
         curves["ceiling"] = curve(logs[0])
@@ -152,16 +165,17 @@ def main():
 
         methods = {
             "diloco": diloco_base + ["--dilocox-overlap", "none", "--dilocox-no-lowrank", "--dilocox-quant-bits", "32"],
-            "diloco_comp": diloco_base + ["--dilocox-overlap", "none", "--dilocox-lowrank-rank", "8",
+            "diloco_comp": diloco_base + ["--dilocox-overlap", "none", "--dilocox-lowrank-rank", str(a.rank),
                                           "--dilocox-quant-bits", "4"],
-            "dilocox": ["--dilocox-h", str(h), "--dilocox-lowrank-min-dim", "64", "--dilocox-lowrank-rank", "8",
+            "dilocox": ["--dilocox-h", str(h), "--dilocox-lowrank-min-dim", "64", "--dilocox-lowrank-rank", str(a.rank),
                         "--dilocox-quant-bits", "4"],
         }
         for name, dl in methods.items():
             logs, rows, wall = cluster_run(wan, name, per_cluster, dl, a.out)
             rounds = max(r["round"] for r in rows)
             results[name] = dict(
-                tokens_per_s=sum(tokens_per_iter / (steady_ms(log) / 1000) for log in logs),
+                tokens_per_s=tokens_per_s(logs, tokens_per_iter),
+                tokens_per_s_with_ends=tokens_per_s(logs, tokens_per_iter, tail=0),
                 valid_loss=logs[0].valid_losses[-1], bytes_total=sum(r["bytes_sent"] for r in rows),
                 bytes_per_round=sum(r["bytes_sent"] for r in rows) / rounds,
                 dense_per_round=sum(r["bytes_dense_fp32"] for r in rows) / rounds,
@@ -182,7 +196,8 @@ def main():
                                                        "--global-batch-size", "16",
                                                        "--train-data-path", f"{a.data}/train_all_text_document"]
         unshaped = allreduce_run(wan, full_flags, iters, shaped=False)
-        results["allreduce"] = dict(tokens_per_s=2 * tokens_per_iter / (ar_ms / 1000), valid_loss=unshaped.valid_losses[-1],
+        results["allreduce"] = dict(tokens_per_s=2 * tokens_per_iter / (ar_ms / 1000),
+                                    tokens_per_s_with_ends=2 * tokens_per_iter / (ar_ms / 1000), valid_loss=unshaped.valid_losses[-1],
                                     bytes_total=dense_per_allreduce * iters, bytes_per_round=dense_per_allreduce,
                                     dense_per_round=dense_per_allreduce,
                                     exposed_comm_seconds=max(0.0, ar_ms / 1000 - step_s) * iters,
@@ -191,22 +206,24 @@ def main():
 
     ar = results["allreduce"]
     print(f"\n{'method':12s} {'tok/s':>9s} {'xAR':>7s} {'xceil':>6s} {'val loss':>9s} {'gap':>7s} "
-          f"{'B/round':>10s} {'B total':>11s} {'x fewer':>8s} {'exposed s':>9s}")
+          f"{'B/round':>10s} {'B total':>11s} {'x fewer':>8s} {'exposed s':>9s} {'xceil e2e':>9s}")
     for name in ("allreduce", "diloco", "diloco_comp", "dilocox", "ceiling"):
         r = results[name]
         r["ratio_vs_allreduce"] = r["tokens_per_s"] / ar["tokens_per_s"]
         r["ratio_vs_ceiling"] = r["tokens_per_s"] / results["ceiling"]["tokens_per_s"]
+        r["ratio_vs_ceiling_with_ends"] = r["tokens_per_s_with_ends"] / results["ceiling"]["tokens_per_s_with_ends"]
         r["loss_gap_vs_allreduce"] = (r["valid_loss"] - ar["valid_loss"]) / ar["valid_loss"]
         r["bytes_fewer_than_allreduce"] = ar["bytes_total"] / r["bytes_total"] if r["bytes_total"] else float("inf")
         print(f"{name:12s} {r['tokens_per_s']:9.0f} {r['ratio_vs_allreduce']:7.2f} {r['ratio_vs_ceiling']:6.2f} "
               f"{r['valid_loss']:9.4f} {100 * r['loss_gap_vs_allreduce']:6.2f}% {r.get('bytes_per_round', 0):10.0f} "
-              f"{r['bytes_total']:11.0f} {r['bytes_fewer_than_allreduce']:8.1f} {r['exposed_comm_seconds']:9.2f}")
-    predicted = predict_testbed(step_s, rate_bits if not a.rate else None, a.rate, h)
+              f"{r['bytes_total']:11.0f} {r['bytes_fewer_than_allreduce']:8.1f} {r['exposed_comm_seconds']:9.2f} "
+              f"{r['ratio_vs_ceiling_with_ends']:9.2f}")
+    predicted = predict_testbed(step_s, rate_bits if not a.rate else None, a.rate, h, a.rank)
     print("\ncost model for this testbed (python -m megatron_dilocox.sim) vs measured, speed-up over AllReduce:")
     for name in ("diloco", "dilocox"):
         key = "speedup_vs_allreduce" if name == "dilocox" else "diloco_speedup_vs_allreduce"
         print(f"  {name:8s} predicted {predicted[key]:7.2f}x   measured {results[name]['ratio_vs_allreduce']:7.2f}x")
-    meta = dict(iters=iters, h=h, rate=rate, paper_ratio=ratio, step_seconds=step_s, predicted=predicted,
+    meta = dict(iters=iters, h=h, rank=a.rank, rate=rate, paper_ratio=ratio, step_seconds=step_s, predicted=predicted,
                 dense_fp32_per_allreduce=dense_per_allreduce, tokens_per_method=2 * tokens_per_iter * iters)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(dict(meta=meta, results=results, curves=curves), f, indent=1)
@@ -218,7 +235,7 @@ def main():
         print("quick invariants: ok")
 
 
-def predict_testbed(step_s, rate_bits, rate_text, h):
+def predict_testbed(step_s, rate_bits, rate_text, h, rank):
     """The cost model's prediction for this exact testbed (small GPT, TP1 PP2, 2 clusters, this link)."""
     from megatron_dilocox.sim.cost_model import Setup, predict
     if rate_bits is None:
@@ -227,7 +244,7 @@ def predict_testbed(step_s, rate_bits, rate_text, h):
     s = Setup(hidden=128, layers=4, ffn=512, vocab=4096, heads=4, swiglu=False, tied_embeddings=True, bias=True,
               clusters=2, tp=1, pp=2, dp=1, distributed_optimizer=False,
               tokens_per_gpu_s=8 * SEQ / (step_s * 2), global_batch_tokens=2 * 8 * SEQ,
-              link_gbps=rate_bits / 1e9, h=h, rank=8, bits=4, block=128, min_dim=64)
+              link_gbps=rate_bits / 1e9, h=h, rank=rank, bits=4, block=128, min_dim=64)
     p = predict(s)
     return {"speedup_vs_allreduce": p["speedup_vs_allreduce"],
             "diloco_speedup_vs_allreduce": p["diloco_speedup_vs_allreduce"], "params": p["params"]}
