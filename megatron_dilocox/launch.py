@@ -41,6 +41,7 @@ class ClusterLog:
     losses: dict = field(default_factory=dict)  # iteration -> lm loss (as printed)
     grad_norms: dict = field(default_factory=dict)  # iteration -> grad norm (as printed)
     iter_ms: dict = field(default_factory=dict)
+    iter_wall: dict = field(default_factory=dict)  # iteration -> time.time() when its line arrived
     global_batch: int = 0
     valid_losses: list = field(default_factory=list)
     ended: bool = False  # the output stream closed (the cluster's torchrun exited)
@@ -54,6 +55,7 @@ class ClusterLog:
                 it = int(m.group(1))
                 self.losses[it] = float(m.group(5))
                 self.iter_ms[it] = float(m.group(3))
+                self.iter_wall[it] = time.time()
                 self.global_batch = int(m.group(4))
                 g = GRAD_NORM_RE.search(line)
                 if g:

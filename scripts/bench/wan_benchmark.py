@@ -24,7 +24,9 @@ on the link). Everything else runs the full --iters on the shaped link.
 Prints a table (tokens/s, ratios to AllReduce and to the ceiling, validation loss and gap to AllReduce,
 bytes per round and in total vs dense fp32, exposed communication), writes JSON and PNG plots. Tokens/s
 are steady state: Megatron's logged iteration times without the first interval (warm-up) and the last
-(DiLoCo's final flush, the last round's whole exchange, paid once per run); "xceil e2e" keeps both. --quick
+(DiLoCo's final flush, the last round's whole exchange, paid once per run), and only while both clusters
+were training (they start seconds apart; on a shared host one cluster alone runs faster, which flatters the
+uncoupled ceiling); "xceil e2e" keeps all intervals. --quick
 checks the invariants (DiLoCoX sends >= 50x fewer bytes than AllReduce and beats its tokens/s).
 """
 from __future__ import annotations
@@ -50,18 +52,30 @@ SEQ = 128
 GLOO_IF = {"GLOO_SOCKET_IFNAME": "wan0"}  # the cluster's uplink inside its namespace
 
 
-def steady_ms(log, skip=1, tail=0):
+def steady_ms(log, skip=1, tail=0, window=None):
     """Mean of Megatron's per-iteration time over the logged intervals, leaving out the first ``skip`` and
     the last ``tail`` (the last interval holds DiLoCo's final flush: the last round's whole exchange, once
-    per training run however long)."""
+    per training run however long) and, with ``window`` = (t0, t1), intervals not wholly inside it."""
     its = sorted(log.iter_ms)
-    vals = [log.iter_ms[i] for i in its[skip:len(its) - tail]] or [log.iter_ms[i] for i in its]
+    keep = its[skip:len(its) - tail]
+    if window is not None:
+        walls = log.iter_wall
+        keep = [i for i, prev in zip(its[1:], its) if i in keep and walls[prev] >= window[0] and walls[i] <= window[1]]
+    vals = [log.iter_ms[i] for i in keep] or [log.iter_ms[i] for i in its]
     return sum(vals) / len(vals)
 
 
-def tokens_per_s(logs, tokens_per_iter, tail=1):
+def together(logs):
+    """(t0, t1) of wall time in which every cluster was training. The clusters of one run start seconds
+    apart (process start-up); on a shared host a cluster alone runs faster, which would flatter the
+    uncoupled ceiling run, so only intervals inside this window count, for every method alike."""
+    return (max(min(log.iter_wall.values()) for log in logs), min(max(log.iter_wall.values()) for log in logs))
+
+
+def tokens_per_s(logs, tokens_per_iter, tail=1, window=True):
     """Steady tokens/s of all clusters (per cluster: tokens per iteration / its mean iteration time)."""
-    return sum(tokens_per_iter / (steady_ms(log, tail=tail) / 1000) for log in logs)
+    win = together(logs) if window else None
+    return sum(tokens_per_iter / (steady_ms(log, tail=tail, window=win) / 1000) for log in logs)
 
 
 def curve(log):
@@ -143,9 +157,9 @@ def main():
     with WanTestbed(2, a.rate or "1000mbit") as wan:
         # 1) ceiling: both clusters at once, no inter-cluster traffic at all
         logs, _, wall = cluster_run(wan, "ceiling", per_cluster, None, a.out)
-        step_s = max(steady_ms(log) for log in logs) / 1000.0
+        step_s = max(steady_ms(log, window=together(logs)) for log in logs) / 1000.0  # both clusters busy
         results["ceiling"] = dict(tokens_per_s=tokens_per_s(logs, tokens_per_iter),
-                                  tokens_per_s_with_ends=tokens_per_s(logs, tokens_per_iter, tail=0),
+                                  tokens_per_s_with_ends=tokens_per_s(logs, tokens_per_iter, tail=0, window=False),
                                   valid_loss=sum(log.valid_losses[-1] for log in logs) / 2, bytes_total=0,
                                   exposed_comm_seconds=0.0, wall_seconds=wall)
         curves["ceiling"] = curve(logs[0])
@@ -175,7 +189,7 @@ def main():
             rounds = max(r["round"] for r in rows)
             results[name] = dict(
                 tokens_per_s=tokens_per_s(logs, tokens_per_iter),
-                tokens_per_s_with_ends=tokens_per_s(logs, tokens_per_iter, tail=0),
+                tokens_per_s_with_ends=tokens_per_s(logs, tokens_per_iter, tail=0, window=False),
                 valid_loss=logs[0].valid_losses[-1], bytes_total=sum(r["bytes_sent"] for r in rows),
                 bytes_per_round=sum(r["bytes_sent"] for r in rows) / rounds,
                 dense_per_round=sum(r["bytes_dense_fp32"] for r in rows) / rounds,
