@@ -27,3 +27,24 @@ def test_wan_benchmark_quick(tmp_path, kjv):
     assert max(r["dilocox"]["bytes_total"], r["diloco_comp"]["bytes_total"]) * 50 <= r["diloco"]["bytes_total"]
     assert out["meta"]["predicted"]["speedup_vs_allreduce"] > 1
     assert (tmp_path / "wan_benchmark.png").stat().st_size > 10_000
+
+
+def test_tokens_per_s_counts_only_intervals_while_every_cluster_trains():
+    """Cluster 1 starts 4 s late: cluster 0's early intervals (alone on the host, faster) and the final
+    interval (DiLoCo's flush) are left out; with window=False and tail=0 every interval after the first counts."""
+    sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))
+    sys.path.insert(0, os.path.join(REPO, "scripts", "wan"))
+    from wan_benchmark import together, tokens_per_s
+    from megatron_dilocox.launch import ClusterLog
+    early, late = ClusterLog(), ClusterLog()
+    for it, wall, ms in [(1, 0.0, 500), (5, 0.8, 200), (10, 1.8, 200), (15, 5.3, 700), (20, 8.8, 700), (25, 12.3, 700),
+                         (30, 16.0, 740)]:
+        early.iter_ms[it], early.iter_wall[it] = ms, wall
+    for it, wall, ms in [(1, 4.0, 500), (5, 6.8, 700), (10, 10.3, 700), (15, 13.8, 700), (20, 17.3, 700),
+                         (25, 20.8, 700), (30, 25.0, 840)]:
+        late.iter_ms[it], late.iter_wall[it] = ms, wall
+    assert together([early, late]) == (4.0, 16.0)
+    # early: intervals 20 and 25 lie in [4, 16] (15 starts at 1.8; 30 is the flush); late: 5, 10, 15
+    assert tokens_per_s([early, late], 1000) == pytest.approx(2 * 1000 / 0.7)
+    everything = 1000 / ((200 + 200 + 700 + 700 + 700 + 740) / 6000) + 1000 / ((700 * 5 + 840) / 6000)
+    assert tokens_per_s([early, late], 1000, tail=0, window=False) == pytest.approx(everything)
