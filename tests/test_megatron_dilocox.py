@@ -193,3 +193,36 @@ def test_main_job_short(corpus, tmp_path):
     summary = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))[8:])
     assert summary["clusters_agree"] and summary["rounds"] == 20 // 5
     assert summary["bytes_ratio_dense_over_sent"] > 20 and summary["validation_loss"][0] < 8.0
+
+
+def test_evaluation_measures_the_global_model(corpus, tmp_path):
+    """Megatron's evaluation (periodic and final) runs on φ, and θ is restored bitwise after it.
+
+    One-step delay, H=4, 8 iterations, evaluation every 2: φ first changes at iteration 8 (round 1 is
+    applied at boundary 2), so the evaluations at 2, 4 and 6 must measure the initial model, exactly what
+    a run with --lr 0 (θ = φ = initial model throughout) measures on the same validation batches, while θ
+    has trained 2-6 steps. Then the same run evaluating only at the end: identical train losses, grad norms
+    and per-round pseudo-gradient norms and global-model hashes (exact fp32 bits of φ, which depend on θ at
+    iteration 8), so the swaps at 2, 4, 6 left θ bitwise as it was. Two layouts (DP2 each): replicas with
+    round-robin view ownership, and the distributed optimizer with overlapped grad reduce / param gather."""
+    codes, frozen = launch(1, 2, gpt_flags(corpus, 8, "--eval-interval", "2", "--lr", "0"))
+    assert_ok(codes, frozen)
+    initial = frozen[0].valid_losses[:3]
+    assert len(initial) == 3
+    for name, layout in [("replicas", []),
+                         ("distopt", ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"])]:
+        runs = {}
+        for interval in (2, 8):
+            out = tmp_path / f"{name}_{interval}"
+            out.mkdir()
+            codes, logs = launch(1, 2, gpt_flags(corpus, 8, "--eval-interval", str(interval), *layout),
+                                 dilocox_flags(out, "--dilocox-no-adaptive-rank"))
+            assert_ok(codes, logs)
+            runs[interval] = logs[0], read_rows(f"{out}/metrics_c0.jsonl")
+        (every2, rows2), (end_only, rows8) = runs[2], runs[8]
+        assert len(every2.valid_losses) == 5 and len(end_only.valid_losses) == 2  # 2, 4, 6, 8 + final; 8 + final
+        assert every2.valid_losses[:3] == initial, (name, every2.valid_losses, initial)
+        assert every2.losses[6] < every2.losses[1] - 0.3  # θ did train meanwhile (a θ evaluation would be lower)
+        assert every2.losses == end_only.losses and every2.grad_norms == end_only.grad_norms, name
+        key = [(r["round"], r["pseudo_grad_norm"], r["global_model_hash"]) for r in rows2]
+        assert len(key) == 2 and key == [(r["round"], r["pseudo_grad_norm"], r["global_model_hash"]) for r in rows8]

@@ -11,11 +11,24 @@ Ownership: with the distributed optimizer each DP rank syncs its own shards. Wit
 holds the full replica, so parameter views are dealt round-robin over the DP ranks (each syncs 1/DP of
 them over the slow link) and broadcast inside the DP group after each round.
 
+Evaluation measures the global model φ. ``megatron.training.training.evaluate`` is wrapped too (it runs
+both the periodic ``--eval-interval`` evaluation and the final one): between round boundaries each
+cluster's params hold θ (with the one-step delay θ = φ − δ: the global model plus this cluster's unsynced
+progress; with overlap none θ drifts from φ between boundaries as well), and what a run should report is the
+model the clusters share. So around each evaluation ``DiLoCoXOptimizer.global_model()`` saves θ (every main
+param view this rank holds, on the outer-state device), copies φ (``DiLoCoXSync.global_params()``) into the
+main params this rank owns, refreshes the model params (round-robin broadcast inside the DP group, main ->
+model copy, forced param all-gather under the distributed optimizer), evaluates, and then restores θ
+bitwise and refreshes again, so training continues exactly as without the evaluation
+(``tests/test_megatron_dilocox.py::test_evaluation_measures_the_global_model``). Where θ == φ (overlap none
+at a boundary, after the final flush) the swap changes nothing.
+
 Checkpoints: the DiLoCoX state rides inside the optimizer's state dict under ``"dilocox"`` (one object
 per rank in ``torch_dist`` checkpoints, a plain entry in ``torch`` ones).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Optional
@@ -98,8 +111,11 @@ class DiLoCoXOptimizer:
             log_row_to_megatron_writers(row)
         return success, grad_norm, num_zeros
 
-    def _refresh_model_params(self):
-        if self._dp_owner is not None:
+    def _refresh_model_params(self, broadcast: bool = True, force_gather: bool = False):
+        """Model params <- main params (and, round-robin, the owners' views to every DP rank; with
+        ``broadcast=False`` every rank already holds them). ``force_gather``: all-gather the distributed
+        optimizer's params even with --overlap-param-gather (evaluation runs with the pre-hooks off)."""
+        if broadcast and self._dp_owner is not None:
             from megatron.core import mpu
             group = mpu.get_data_parallel_group()
             for view, owner in zip(self._all_views, self._dp_owner):
@@ -110,9 +126,26 @@ class DiLoCoXOptimizer:
             distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
             if distributed or hasattr(leaf, "fp32_from_float16_groups"):  # main params are copies: copy back
                 leaf._copy_main_params_to_model_params()
-            if distributed and not leaf.ddp_config.overlap_param_gather:
+            if distributed and (force_gather or not leaf.ddp_config.overlap_param_gather):
                 for chunk in leaf.model_chunks:
                     chunk.start_param_sync(force_sync=True)
+
+    @contextlib.contextmanager
+    def global_model(self):
+        """Inside: the model holds φ (the global model); after: θ again, bitwise (see module docstring)."""
+        views = self._all_views if self._dp_owner is not None else self.sync.params
+        with torch.no_grad():
+            saved = [v.detach().to(self.sync.outer_device, copy=True) for v in views]  # θ
+            for p, phi in zip(self.sync.params, self.sync.global_params()):
+                p.copy_(phi)
+            self._refresh_model_params(force_gather=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for v, theta in zip(views, saved):
+                    v.copy_(theta)
+                self._refresh_model_params(broadcast=False, force_gather=True)
 
     def adopt_running_position(self, args, scheduler):
         """(Rejoined mid-run) after Megatron's set-up and load: θ ← the members' global model, and the
@@ -213,9 +246,20 @@ def install(cfg: DiLoCoXConfig, args):
             optimizer.adopt_running_position(args, scheduler)
         return model, optimizer, scheduler
 
+    if "evaluate" not in _installed:
+        _installed["evaluate"] = training.evaluate
+
+    def evaluate(*a, **kw):
+        optimizer = _installed.get("optimizer")
+        if not isinstance(optimizer, DiLoCoXOptimizer) or not optimizer.sync.anchor:
+            return _installed["evaluate"](*a, **kw)
+        with optimizer.global_model():  # evaluate φ, not this cluster's θ; θ restored bitwise after
+            return _installed["evaluate"](*a, **kw)
+
     checkpoints.install(args)
     training.get_megatron_optimizer = get_megatron_optimizer
     training.setup_model_and_optimizer = setup_model_and_optimizer
+    training.evaluate = evaluate
     return get_megatron_optimizer
 
 

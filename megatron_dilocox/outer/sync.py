@@ -286,6 +286,11 @@ class DiLoCoXSync:
         for p, v in zip(self.params, values):
             p.copy_(v)
 
+    def global_params(self) -> list[torch.Tensor]:
+        """φ, the global model: fp32 tensors in the order of ``self.params`` (the anchor itself, on
+        ``outer_device``; read only). Between boundaries in delay mode θ = φ − δ, so evaluation swaps φ in."""
+        return self.anchor
+
     def model_hash(self) -> str:
         h = hashlib.sha256()
         for a in self.anchor:
