@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-OVERLAP_MODES = ("none", "one-step-delay")
+OVERLAP_MODES = ("none", "one-step-delay", "eager")
 QUANT_BITS = (4, 8, 16, 32)
 OUTER_STATE_DEVICES = ("cpu", "param")
 PEER_FAILURE_POLICIES = ("stop", "continue")
@@ -51,6 +51,9 @@ class DiLoCoXConfig:
     adaptive_h_margin: float = knob(0.1, "adaptive H keeps the transfer this fraction shorter than a round")
     overlap: str = knob("one-step-delay", "none (synchronous DiLoCo) or one-step-delay (transfer hidden "
                                           "behind the next round, applied one round late)")
+
+    delay_local_weight: float = knob(1.0, "one-step-delay: the next round starts at φ − α δ_t (α = this "
+                                          "weight of the cluster's own unsynced progress)")
 
     # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
     outer_lr: float = knob(0.7, "outer learning rate")
@@ -149,6 +152,8 @@ class DiLoCoXConfig:
         if self.overlap not in OVERLAP_MODES:
             fail("overlap", f"must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
 
+        if not (isinstance(self.delay_local_weight, (int, float)) and 0.0 <= self.delay_local_weight <= 1.0):
+            fail("delay_local_weight", f"must be in [0, 1], got {self.delay_local_weight!r}")
         if not (isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr) and self.outer_lr > 0):
             fail("outer_lr", f"must be a positive finite number, got {self.outer_lr!r}")
         if not (0.0 <= self.resolved_outer_momentum < 1.0):

@@ -111,12 +111,23 @@ def test_h1_uncompressed_outer_sgd_equals_synchronous_data_parallel_sgd(C):
                 assert torch.allclose(p, q, rtol=0, atol=1e-6), (step, c, float((p - q).abs().max()))
 
 
-def test_one_step_delay_matches_single_process_reference_round_by_round():
-    """2 clusters, Adam inner, Nesterov outer, no compression: the pseudo-code of DESIGN §1, replayed."""
+def _nesterov(buf, g, mom):
+    buf = [x.clone() for x in g] if buf is None else [b * mom + x for b, x in zip(buf, g)]
+    return buf, [x + mom * b for x, b in zip(g, buf)]
+
+
+@pytest.mark.parametrize("overlap,alpha", [("one-step-delay", 1.0), ("one-step-delay", 0.5), ("eager", 1.0)])
+def test_delayed_overlap_variants_match_single_process_reference_round_by_round(overlap, alpha):
+    """2 clusters, Adam inner, Nesterov outer, no compression: the pseudo-code of DESIGN §1 replayed for each
+    overlap rule: θ ← φ − α δ_t (one-step-delay), θ ← φ + c_t with c the outer optimizer run on
+    (δ_t − δ_{t−1})/C (eager: the last average with this cluster's stale term replaced by its fresh one)."""
     C, H, steps, lr_out, mom = 2, 3, 12, 0.7, 0.9
     res = run(C, steps=steps, inner="adam", inner_lr=0.01, finalize=False,
-              dilocox=spec(C, h=H, lowrank=False, quant_bits=32, outer_lr=lr_out, outer_momentum=mom))
+              dilocox=spec(C, h=H, lowrank=False, quant_bits=32, outer_lr=lr_out, outer_momentum=mom,
+                           overlap=overlap, delay_local_weight=alpha))
     assert_no_errors(res)
+    corr = [[torch.zeros_like(p) for p in make_model(0).parameters()] for _ in range(C)]
+    corr_buf, prev = [None] * C, [[torch.zeros_like(p) for p in make_model(0).parameters()] for _ in range(C)]
     init = [p.detach().clone() for p in make_model(0).parameters()]
     phi = [p.clone() for p in init]
     buf = None
@@ -140,13 +151,20 @@ def test_one_step_delay_matches_single_process_reference_round_by_round():
         if in_flight is not None:
             # Nesterov outer step on the average of the in-flight round
             avg = [sum(d[i] for d in in_flight) / C for i in range(len(phi))]
-            buf = [a.clone() for a in avg] if buf is None else [b * mom + a for b, a in zip(buf, avg)]
-            phi = [f - lr_out * (a + mom * b) for f, a, b in zip(phi, avg, buf)]
+            buf, upd = _nesterov(buf, avg, mom)
+            phi = [f - lr_out * u for f, u in zip(phi, upd)]
         in_flight = deltas
         for c in range(C):
+            if overlap == "eager":
+                corr_buf[c], upd = _nesterov(corr_buf[c], [(d - q) / C for d, q in zip(deltas[c], prev[c])], mom)
+                corr[c] = [k - lr_out * u for k, u in zip(corr[c], upd)]
+                prev[c] = deltas[c]
+                local = corr[c]
+            else:
+                local = [-alpha * d for d in deltas[c]]
             with torch.no_grad():
-                for p, f, d in zip(models[c].parameters(), phi, deltas[c]):
-                    p.copy_(f - d)
+                for p, f, k in zip(models[c].parameters(), phi, local):
+                    p.copy_(f + k)
             start[c] = [p.detach().clone() for p in models[c].parameters()]
         for c in range(C):
             got_anchor, got_params = res[(c, 0)]["anchors"][rnd], res[(c, 0)]["params"][rnd]

@@ -55,7 +55,7 @@ def train(steps, dilocox=None, inner="adam", save_at=None, load=None):
     return losses, [p.detach().clone() for p in model.parameters()], saved, sync
 
 
-@pytest.mark.parametrize("overlap", ["none", "one-step-delay"])
+@pytest.mark.parametrize("overlap", ["none", "one-step-delay", "eager"])
 def test_single_cluster_reproduces_plain_training(overlap):
     plain_losses, plain_params, _, _ = train(24)
     cfg = dict(h=4, overlap=overlap, lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0,
@@ -68,7 +68,7 @@ def test_single_cluster_reproduces_plain_training(overlap):
     assert max(float((a - b).abs().max()) for a, b in zip(params, plain_params)) < 1e-6
 
 
-@pytest.mark.parametrize("overlap", ["none", "one-step-delay"])
+@pytest.mark.parametrize("overlap", ["none", "one-step-delay", "eager"])
 def test_resume_from_state_dict_mid_round_is_bitwise_identical(overlap):
     """Save while a delayed round is in flight (step 10, H=4), resume in a fresh sync: same bits."""
     cfg = dict(h=4, overlap=overlap, lowrank_rank=2, lowrank_min_dim=8, quant_bits=4, quant_block_size=32,

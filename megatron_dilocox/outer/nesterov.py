@@ -38,3 +38,33 @@ class OuterNesterov:
     def load_state_dict(self, state: dict):
         buf = state["momentum_buffer"]
         self.buf = None if buf is None else [b.to(a.device, torch.float32).clone() for b, a in zip(buf, self.anchor)]
+
+
+class LocalCorrection:
+    """Eager updates' private part: the outer optimizer run on (δ_t − δ_{t−1}) / C from c = 0.
+
+    The eager proxy for round t's average is Δ̄_{t−1} + (δ_t − δ_{t−1})/C. Outer SGD with momentum is linear
+    in its inputs, so applying it to the proxies equals φ (the shared model, fed Δ̄_{t−1}) plus c_t, this
+    optimizer's displacement on the differences: θ = φ + c_t. The differences telescope, so without
+    momentum c_t = −lr δ_t / C."""
+
+    def __init__(self, shapes, config, device):
+        self.value = [torch.zeros(s, dtype=torch.float32, device=device) for s in shapes]
+        self.prev = [torch.zeros_like(v) for v in self.value]  # δ_{t−1} (zero before the first round)
+        self.opt = OuterNesterov(self.value, config.outer_lr, config.resolved_outer_momentum, config.outer_nesterov)
+
+    @torch.no_grad()
+    def step(self, delta: Sequence[torch.Tensor], num_clusters: int):
+        delta = [d.to(v.device, torch.float32) for d, v in zip(delta, self.value)]
+        self.opt.step([(d - p) / num_clusters for d, p in zip(delta, self.prev)])
+        self.prev = [d.clone() for d in delta]
+
+    def state_dict(self) -> dict:
+        return {"value": [v.clone() for v in self.value], "prev": [p.clone() for p in self.prev],
+                "opt": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict):
+        for v, s in zip(self.value, state["value"]):
+            v.copy_(s)
+        self.prev = [p.to(v.device, torch.float32).clone() for p, v in zip(state["prev"], self.value)]
+        self.opt.load_state_dict(state["opt"])

@@ -36,7 +36,7 @@ from megatron_dilocox.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer import handover
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
-from megatron_dilocox.outer.nesterov import OuterNesterov
+from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
 
 log = logging.getLogger("megatron_dilocox")
 
@@ -57,7 +57,10 @@ class DiLoCoXSync:
         self.device = self.params[0].device
         self.outer_device = torch.device("cpu") if config.outer_state_device == "cpu" else self.device
         self.codec = PseudoGradientCodec([p.shape for p in self.params], config, device=self.device)
-        self.delayed = config.overlap == "one-step-delay"
+        self.delayed = config.overlap != "none"  # one-step-delay or eager: the exchange overlaps the next round
+        self.eager = config.overlap == "eager"
+        self.local_weight = config.delay_local_weight  # α: θ ← φ − α δ_t (one-step-delay)
+        self.correction: Optional[LocalCorrection] = None  # eager: this cluster's fresh-term proxy
         self.h = config.h
         self.round = 0  # rounds completed (launched) so far
         self.steps_in_round = 0
@@ -164,8 +167,25 @@ class DiLoCoXSync:
                     return
             self._launched_delta = delta
             self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration)
-            self._set_params([a.to(d.device) - d for a, d in zip(self.anchor, delta)])  # θ ← φ − δ_t
+            self._set_params(self._local_start(delta))
             self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
+
+    def _local_start(self, delta) -> list:
+        """θ for the next round while round t's average is in flight: φ plus a local stand-in for it.
+
+        one-step-delay: θ ← φ − α δ_t (α = 1: all of my unsynced progress, as is).
+        eager (Kale et al., 2025): the outer step of round t would use Δ̄_t, which is not here yet; its proxy
+        is the last average with my stale term replaced by my fresh one, Δ̄_{t−1} + (δ_t − δ_{t−1})/C. φ
+        already took Δ̄_{t−1}; the outer optimizer is linear, so the rest is the same optimizer (lr, momentum)
+        run locally on (δ_t − δ_{t−1})/C: θ ← φ + c_t, and c_t is this cluster's only private state."""
+        if self.eager:
+            if self.correction is None:
+                self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
+            self.correction.step(delta, self.group.size)
+            return [a.to(d.device) + c.to(d.device) for a, c, d in zip(self.anchor, self.correction.value, delta)]
+        if self.local_weight == 1.0:
+            return [a.to(d.device) - d for a, d in zip(self.anchor, delta)]  # θ ← φ − δ_t
+        return [a.to(d.device) - self.local_weight * d for a, d in zip(self.anchor, delta)]
 
     def wait(self) -> ExchangeResult:
         """The finished in-flight round (blocks until the transfer is done)."""
@@ -279,7 +299,8 @@ class DiLoCoXSync:
         self.codec.set_rank(rank, result.round)
 
     def _restart_round_at_anchor(self):
-        """The next δ is measured from φ (in none mode the round start *is* the anchor)."""
+        """The next δ is measured from φ (in none mode the round start *is* the anchor); no local proxy."""
+        self.correction = None
         self.round_start = [a.clone() for a in self.anchor] if self.delayed else self.anchor
 
     def _set_params(self, values):
@@ -339,6 +360,7 @@ class DiLoCoXSync:
             "outer": self.outer.state_dict(),
             "codec": self.codec.state_dict(),
             "pending": None if done is None else dict(vars(done), deltas=done.deltas and [d.clone() for d in done.deltas]),
+            "correction": None if self.correction is None else self.correction.state_dict(),
         }
 
     @torch.no_grad()
@@ -356,4 +378,8 @@ class DiLoCoXSync:
                             if self.delayed else self.anchor)
         self.codec.load_state_dict(state["codec"])
         self._done = None if state["pending"] is None else ExchangeResult(**state["pending"])
+        self.correction = None
+        if state.get("correction") is not None:
+            self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
+            self.correction.load_state_dict(state["correction"])
         self._last_hook = time.perf_counter()

@@ -1,0 +1,104 @@
+"""DiLoCoX for a plain PyTorch training loop: wrap any ``torch.optim`` optimizer.
+
+    cfg = DiLoCoXConfig(num_clusters=2, cluster_id=k, rendezvous="host:29400", h=50)   # $DILOCOX_SECRET
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with DiLoCoX(model, inner, cfg) as dl:          # joins the clusters; θ ← the global model φ
+        for x, y in data:
+            loss_fn(model(x), y).backward()
+            inner.step()                            # inner step; every H steps the DiLoCoX round runs
+            inner.zero_grad()
+        with dl.global_model():                     # φ in the model for evaluation, θ restored after
+            evaluate(model)
+    # leaving the block applies the round in flight: every cluster ends with the same model
+
+As in torchft's ``DiLoCo``, the round is a post-hook on the inner optimizer's ``step`` (nothing else in the
+loop changes); the Megatron seam (``glue/seam.py``) drives the same ``DiLoCoXSync`` hook after Megatron's
+own optimizer step. Each process syncs the parameters it passes in, with the process of the same rank
+(``torch.distributed`` rank inside its cluster, 0 without one) in every other cluster: give each process
+the parameters it owns (one process per cluster, or a model-parallel shard per rank). The cluster that is
+``cluster_id`` 0 on rank 0 hosts the rendezvous store unless ``host_store`` says otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Optional, Union
+
+import torch
+
+from megatron_dilocox.compression.collective import Collective
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.metrics import MetricsWriter
+from megatron_dilocox.outer.cluster import IntraCluster, SingleRank, TorchDistCluster
+from megatron_dilocox.outer.sync import DiLoCoXSync
+
+
+def _params(source) -> list:
+    if isinstance(source, torch.nn.Module):
+        return [p for p in source.parameters() if p.requires_grad]
+    return list(source)
+
+
+class DiLoCoX:
+    """Context manager: inner optimizer + DiLoCoX rounds (see the module docstring)."""
+
+    def __init__(self, model: Union[torch.nn.Module, Iterable[torch.Tensor]], inner: torch.optim.Optimizer,
+                 config: DiLoCoXConfig, group: Optional[Collective] = None, intra: Optional[IntraCluster] = None,
+                 host_store: Optional[bool] = None):
+        self.config = config.validate()
+        self.inner = inner
+        self.params = _params(model)
+        owned = {id(p) for g in inner.param_groups for p in g["params"]}
+        missing = [i for i, p in enumerate(self.params) if id(p) not in owned]
+        if missing:
+            raise ValueError(f"DiLoCoX: parameters {missing[:5]} are not stepped by the inner optimizer; pass the "
+                             f"parameters the optimizer owns (or a model whose trainable parameters it owns)")
+        self._group, self._intra, self._host_store = group, intra, host_store
+        self.sync: Optional[DiLoCoXSync] = None
+        self._hook = None
+
+    # ---------------------------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "DiLoCoX":
+        dist = torch.distributed
+        in_world = dist.is_available() and dist.is_initialized()
+        local_rank = dist.get_rank() if in_world else 0
+        intra = self._intra or (TorchDistCluster() if in_world else SingleRank())
+        group = self._group
+        if group is None and self.config.num_clusters > 1:
+            from megatron_dilocox.topology import InterClusterGroup, connect_store
+            host = self._host_store if self._host_store is not None else (self.config.cluster_id == 0 and local_rank == 0)
+            world = dist.get_world_size() if in_world else 1
+            group = InterClusterGroup(self.config, local_rank, connect_store(self.config, host),
+                                      fingerprint={"shapes": [list(p.shape) for p in self.params]}, local_world=world)
+        metrics = MetricsWriter(self.config.metrics_file if intra.is_writer else None)
+        self.sync = DiLoCoXSync([p.data for p in self.params], self.config, group, intra, metrics).start()
+        self._hook = self.inner.register_step_post_hook(lambda *_: self.sync.after_inner_step())
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None and not self.sync.stopped:
+                self.sync.finalize()
+        finally:
+            self._hook.remove()
+            self.sync.close()
+        return False
+
+    # ---------------------------------------------------------------------------------- views
+    @property
+    def rows(self) -> list:
+        """Every round's metrics row so far (bytes, rank, H, compression error, hash, ...)."""
+        return self.sync.rows
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def global_model(self):
+        """The global model φ in the parameters for the block (evaluation); this cluster's θ after it, bitwise.
+        With overlap none θ = φ right after a boundary; with the delay θ = φ + this cluster's unsynced part."""
+        saved = [p.detach().clone() for p in self.params]
+        try:
+            for p, a in zip(self.params, self.sync.anchor):
+                p.data.copy_(a)
+            yield self
+        finally:
+            for p, s in zip(self.params, saved):
+                p.data.copy_(s)
