@@ -48,3 +48,35 @@ def test_tokens_per_s_counts_only_intervals_while_every_cluster_trains():
     assert tokens_per_s([early, late], 1000) == pytest.approx(2 * 1000 / 0.7)
     everything = 1000 / ((200 + 200 + 700 + 700 + 700 + 740) / 6000) + 1000 / ((700 * 5 + 840) / 6000)
     assert tokens_per_s([early, late], 1000, tail=0, window=False) == pytest.approx(everything)
+
+
+def test_convergence_quick(tmp_path, kjv):
+    """scripts/bench/convergence.py --quick (real Megatron, loopback): AllReduce, DiLoCo and DiLoCoX at equal
+    tokens; its own invariants hold (exit 0) and its JSON says so: every loss falls, every DiLoCo method ends
+    within 10% of AllReduce, DiLoCoX sends >= 50x fewer bytes per round than dense fp32, and both clusters
+    evaluated the same global model (identical validation losses)."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench", "convergence.py"), "--quick",
+                           "--quiet", "--data", str(kjv), "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "quick invariants: ok" in proc.stdout
+    out = json.load(open(tmp_path / "results.json"))
+    r = {x["method"]: x for x in out["results"]}
+    assert sorted(r) == ["allreduce", "diloco", "dilocox"] and out["meta"]["tokens_per_method"] == 60 * 2048
+    for x in r.values():
+        assert [it for it, _, _ in x["valid_curve"]] == [20, 40, 60]
+        assert [t for _, t, _ in x["valid_curve"]] == [20 * 2048, 40 * 2048, 60 * 2048]
+        assert x["final_valid_loss"] < x["valid_curve"][0][2] and x["wall_seconds"] > 0
+    ar = r["allreduce"]["final_valid_loss"]
+    for name in ("diloco", "dilocox"):
+        x = r[name]
+        assert x["H"] == 10 and x["rounds"] == 6 and len(x["bytes_sent_per_round"]) == 6
+        assert x["final_valid_loss"] <= 1.10 * ar
+        assert x["valid_by_cluster"]["0"] == x["valid_by_cluster"]["1"]
+    dense = r["diloco"]["dense_fp32_per_round"]  # fp32, no low-rank: dense (+ small headers)
+    assert dense <= r["diloco"]["bytes_per_round"] <= 1.001 * dense
+    assert r["diloco"]["compression_rel_error_mean"] == 0.0
+    d = r["dilocox"]
+    assert d["bytes_per_round"] * 50 <= d["dense_fp32_per_round"] and 0 < d["compression_rel_error_mean"] < 1
+    assert d["rank_per_round"] and all(1 <= k <= 6 for k in d["rank_per_round"])
+    assert (tmp_path / "convergence.png").stat().st_size > 10_000
