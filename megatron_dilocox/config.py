@@ -67,7 +67,11 @@ class DiLoCoXConfig:
     lowrank: bool = knob(True, "low-rank compression of matrices (with error feedback)")
     lowrank_rank: int = knob(16, "initial low-rank rank")
     lowrank_rank_min: Optional[int] = knob(None, "lower bound for adaptive rank (default: 1)")
-    lowrank_rank_max: Optional[int] = knob(None, "upper bound for adaptive rank (default: --dilocox-lowrank-rank)")
+    lowrank_rank_max: Optional[int] = knob(None, "upper bound for adaptive rank (default: 4 x --dilocox-lowrank-rank, "
+                                                 "capped by each matrix's min(rows, cols) and by "
+                                                 "--dilocox-min-compression)")
+    min_compression: float = knob(100.0, "adaptive rank grows only while a round sends at most dense fp32 "
+                                         "all-reduce bytes / this")
     lowrank_min_dim: int = knob(64, "matrices with min(rows, cols) below this are sent whole (quantized)")
     adaptive_rank: bool = knob(True, "adapt the rank to keep --dilocox-energy-threshold of the energy")
     energy_threshold: float = knob(0.9, "fraction of the pseudo-gradient energy adaptive rank keeps")
@@ -106,7 +110,7 @@ class DiLoCoXConfig:
 
     @property
     def resolved_rank_max(self) -> int:
-        return self.lowrank_rank if self.lowrank_rank_max is None else self.lowrank_rank_max
+        return 4 * self.lowrank_rank if self.lowrank_rank_max is None else self.lowrank_rank_max
 
     def validate(self) -> "DiLoCoXConfig":
         """Raise DiLoCoXConfigError for the first invalid setting; return self when all are valid."""
@@ -170,6 +174,9 @@ class DiLoCoXConfig:
             fail("lowrank_rank", f"must lie within [--dilocox-lowrank-rank-min, --dilocox-lowrank-rank-max] = "
                                  f"[{self.resolved_rank_min}, {self.resolved_rank_max}], got {self.lowrank_rank}")
         need_int("lowrank_min_dim", 2)
+        if not (isinstance(self.min_compression, (int, float)) and math.isfinite(self.min_compression)
+                and self.min_compression >= 1):
+            fail("min_compression", f"must be a number >= 1 (1 = no byte budget), got {self.min_compression!r}")
         if not (0.0 < self.energy_threshold <= 1.0):
             fail("energy_threshold", f"must be in (0, 1], got {self.energy_threshold}")
         if self.quant_bits not in QUANT_BITS:

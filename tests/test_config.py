@@ -20,7 +20,9 @@ INVALID = [
     (dict(h=10, h_min=20), "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [20, 40], got 10"),
     (dict(h=10, h_max=5), "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [10, 5], got 10"),
     (dict(adaptive_h_margin=-0.1), "--dilocox-adaptive-h-margin: must be in [0, 10], got -0.1"),
-    (dict(overlap="eager"), "--dilocox-overlap: must be one of none, one-step-delay, got 'eager'"),
+    (dict(overlap="streaming"), "--dilocox-overlap: must be one of none, one-step-delay, eager, got 'streaming'"),
+    (dict(delay_local_weight=1.5), "--dilocox-delay-local-weight: must be in [0, 1], got 1.5"),
+    (dict(min_compression=0.5), "--dilocox-min-compression: must be a number >= 1"),
     (dict(outer_lr=0), "--dilocox-outer-lr: must be a positive finite number, got 0"),
     (dict(outer_lr=float("nan")), "--dilocox-outer-lr: must be a positive finite number, got nan"),
     (dict(outer_momentum=1.0), "--dilocox-outer-momentum: must be in [0, 1), got 1.0"),
@@ -49,7 +51,7 @@ def test_invalid_setting_raises_documented_message(kwargs, message, monkeypatch)
 def test_defaults_and_resolved_bounds():
     cfg = DiLoCoXConfig().validate()
     assert (cfg.resolved_h_min, cfg.h, cfg.resolved_h_max) == (50, 50, 200)
-    assert (cfg.resolved_rank_min, cfg.lowrank_rank, cfg.resolved_rank_max) == (1, 16, 16)
+    assert (cfg.resolved_rank_min, cfg.lowrank_rank, cfg.resolved_rank_max) == (1, 16, 64)
     assert cfg.overlap == "one-step-delay" and cfg.quant_bits == 4
     # outer momentum: 0.5 under the one-step delay, DiLoCo's 0.9 without overlap, unless given
     assert cfg.resolved_outer_momentum == 0.5

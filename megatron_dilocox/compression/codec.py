@@ -35,7 +35,8 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_dilocox.compression import adaptive, lowrank
-from megatron_dilocox.compression.collective import Collective, dense_allreduce_bytes
+from megatron_dilocox.compression.collective import (Collective, allgather_bytes, allreduce_bytes,
+                                                     dense_allreduce_bytes)
 from megatron_dilocox.compression.quantize import bytes_as, dequantize, payload_bytes, quantize
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 
@@ -88,9 +89,11 @@ def split_layout(shapes: Sequence[torch.Size], config: DiLoCoXConfig) -> tuple[l
     for i, s in enumerate(torch.Size(s) for s in shapes):
         rows, cols = (s[0], s.numel() // s[0]) if len(s) >= 2 and s[0] > 0 else (0, 0)
         if config.lowrank and min(rows, cols) >= config.lowrank_min_dim:
-            if config.resolved_rank_max > min(rows, cols):
+            explicit = config.lowrank_rank if config.lowrank_rank_max is None else config.lowrank_rank_max
+            if explicit > min(rows, cols):
+                flag = "--dilocox-lowrank-rank" if config.lowrank_rank_max is None else "--dilocox-lowrank-rank-max"
                 raise DiLoCoXConfigError(
-                    f"--dilocox-lowrank-rank-max: rank {config.resolved_rank_max} exceeds min(rows, cols) = "
+                    f"{flag}: rank {explicit} exceeds min(rows, cols) = "
                     f"{min(rows, cols)} of tensor {i} with shape {tuple(s)}; lower the rank or raise "
                     f"--dilocox-lowrank-min-dim above {min(rows, cols)}")
             by_shape.setdefault((rows, cols), _Group(rows, cols)).members.append(i)
@@ -117,6 +120,7 @@ class PseudoGradientCodec:
         self.q = [lowrank.init_q(len(g.members), g.cols, self.rank, config.seed, gi, self.device)
                   for gi, g in enumerate(self.groups)]
         self.layout_hash = self._layout_hash()
+        self.rank_cap = self._rank_cap(config.num_clusters)
 
     # ---------------------------------------------------------------------------------- layout
     def _layout_hash(self) -> int:
@@ -134,6 +138,26 @@ class PseudoGradientCodec:
         p2 = sum(payload_bytes(len(g.members) * g.cols * r, bits, block) for g in self.groups)
         p2 += 4 * (r + 1) if self.groups else 0  # fp32 energy statistics
         return p1, p2
+
+    def round_bytes(self, rank: int, clusters: int) -> int:
+        """Bytes this rank sends in one round at ``rank`` (closed form: header + both phases)."""
+        p1, p2 = self.payload_sizes(rank)
+        if self.cfg.quant_bits == 32:
+            return allgather_bytes(HEADER_BYTES, clusters) + allreduce_bytes(p1, clusters) + allreduce_bytes(p2, clusters)
+        return allgather_bytes(HEADER_BYTES + p1 + p2, clusters)
+
+    def _rank_cap(self, clusters: int) -> int:
+        """Adaptive rank's ceiling: --dilocox-lowrank-rank-max, each matrix's min(rows, cols) when that flag is
+        left to its default, and the largest rank whose round stays within dense fp32 / --dilocox-min-compression
+        (never below the initial rank: an explicit rank is the user's choice)."""
+        cap = self.cfg.resolved_rank_max
+        if self.cfg.lowrank_rank_max is None and self.groups:
+            cap = min(cap, min(min(g.rows, g.cols) for g in self.groups))
+        if clusters > 1 and self.groups:
+            budget = dense_allreduce_bytes(sum(self.numels), clusters) / self.cfg.min_compression
+            while cap > self.rank and self.round_bytes(cap, clusters) > budget:
+                cap -= 1
+        return max(cap, self.rank)
 
     def set_rank(self, rank: int, round_idx: int):
         if rank != self.rank:
@@ -225,7 +249,7 @@ class PseudoGradientCodec:
             if self.cfg.adaptive_rank:
                 result.next_rank = adaptive.choose_rank(
                     stat_sum[:-1].tolist(), float(stat_sum[-1]), self.rank, self.cfg.energy_threshold,
-                    self.cfg.resolved_rank_min, self.cfg.resolved_rank_max)
+                    self.cfg.resolved_rank_min, self.rank_cap)
         if self.whole:
             out.append(sums1[G] / C)
             e_sq[G] = _sumsq(M[G].sub_(sent1[G]))  # e = M - what this cluster transmitted
