@@ -26,9 +26,15 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   touch "$stamp"
 fi
 PYTHONWARNINGS=ignore .venv/bin/python -c "import torch, megatron.core, megatron.training; print('setup: ok, torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
-# The corpus comes from Debian's bible-kjv packages (installed here when apt is available; the data
-# builder installs them too, and says what to install where it cannot).
-if ! command -v bible >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  apt-get install -y -q --no-install-recommends bible-kjv bible-kjv-text >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends bible-kjv bible-kjv-text >/dev/null; }
-fi
+# The corpora come from Debian packages: bible-kjv (--corpus kjv) and python3.11-doc (--corpus pydoc),
+# installed here when apt is available; the data builder installs them too, and says what to install
+# where it cannot.
+apt_corpus() {  # apt_corpus <present-test> <packages...>
+  local test=$1; shift
+  if ! eval "$test" && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends "$@" >/dev/null; }
+  fi
+}
+apt_corpus 'command -v bible >/dev/null 2>&1' bible-kjv bible-kjv-text
+apt_corpus '[ -d /usr/share/doc/python3.11/html/_sources ]' python3.11-doc

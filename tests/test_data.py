@@ -3,6 +3,7 @@
 The data are prepared once per test session into a fresh pytest tmp dir (no cache under data/), so a
 stale or hand-edited corpus can never make these pass; that costs ~5 s beyond the megatron import.
 Needs the `bible` program (installed by prepare() via apt-get when root); skipped where it cannot be had.
+The second corpus (Python 3.11 docs, `python3.11-doc`) is built the same way at the end (~20 s more).
 """
 import json
 import os
@@ -158,3 +159,98 @@ def test_missing_bible_says_what_to_install(monkeypatch, root, apt, expect):
 def test_cli_rejects_bad_arguments(tmp_path, capsys):
     assert prep.main(["--out", str(tmp_path), "--num-clusters", "0"]) == 1
     assert "num_clusters must be >= 1" in capsys.readouterr().err
+
+
+# ---- the second corpus: the Python 3.11 documentation (python3.11-doc) ---------------------------------
+
+from megatron_dilocox.data import corpora  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pydoc(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("pydoc"))
+    try:
+        manifest = prep.prepare(out, num_clusters=CLUSTERS, vocab_size=VOCAB, corpus="pydoc")
+    except prep.CorpusUnavailableError as e:
+        pytest.skip(f"pydoc corpus unavailable here: {e}")
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(out, "tokenizer.model"))
+    with open(os.path.join(out, "pydoc.jsonl"), encoding="utf-8") as f:
+        docs = [json.loads(line) for line in f]
+    return dict(out=out, manifest=manifest, sp=sp, docs=docs)
+
+
+def test_pydoc_documents_are_the_extracted_pages(pydoc):
+    docs, m = pydoc["docs"], pydoc["manifest"]
+    extracted = corpora.extract_pydoc(corpora.ensure_pydoc())  # independently of the files written
+    assert docs == extracted and len(docs) == m["documents"]
+    assert (m["corpus"], m["vocab_size"], m["eod_id"]) == ("pydoc", VOCAB, 2)
+    pages = [d["ref"].split(" [")[0] for d in docs]
+    assert len(set(pages)) == 497 and pages == sorted(pages)  # one page per .rst.txt, in path order
+    assert docs[0]["ref"] == "about.rst" and docs[0]["text"].startswith("About these documents These documents")
+    assert 900 < len(docs) < 1100  # 497 pages, 163 of them over 20k characters and split (966 with 3.11.2)
+    parts = [d for d in docs if d["ref"].startswith("library/os.rst [")]
+    assert len(parts) > 5 and parts[-1]["ref"].endswith(f"[{len(parts)}/{len(parts)}]")
+    assert max(len(d["text"]) for d in docs) <= corpora.MAX_DOC_CHARS
+    assert not any(re.search(r"\s\s|^\s|\s$", d["text"]) for d in docs)  # one line, single spaces
+    # section adornments and table rules are dropped ("====" inside code examples stays)
+    assert not any(re.search(r"\+={3,}\+|={4,} ={4,}|^={4,}", d["text"]) for d in docs)
+
+
+def test_pydoc_splits_and_shards(pydoc):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    m, n = pydoc["manifest"], pydoc["manifest"]["documents"]
+    s = m["splits"]
+    valid, train = s["valid"]["chapters"], s["train_all"]["chapters"]
+    assert valid == [i for i in range(n) if i % 20 == 19] and len(valid) == n // 20
+    assert not set(valid) & set(train) and set(valid) | set(train) == set(range(n))
+    shards = [s[f"train_c{k}"]["chapters"] for k in range(CLUSTERS)]
+    assert shards == [train[k::CLUSTERS] for k in range(CLUSTERS)]
+    assert sum(map(len, shards)) == len(train) and set().union(*shards) == set(train)
+    assert sum(s[f"train_c{k}"]["tokens"] for k in range(CLUSTERS)) == s["train_all"]["tokens"]
+    toks = [s[f"train_c{k}"]["tokens"] for k in range(CLUSTERS)]
+    assert max(toks) < 1.25 * min(toks)  # split pages keep the strided shards balanced
+    assert 2_400_000 < s["train_all"]["tokens"] < 3_000_000  # ~2.7M tokens at a 4k vocabulary
+    sp, eod = pydoc["sp"], m["eod_id"]
+    ds = IndexedDataset(os.path.join(pydoc["out"], s["valid"]["prefix"]))
+    assert len(ds) == len(valid) and int(ds.sequence_lengths.sum()) == s["valid"]["tokens"]
+    for j in (0, len(valid) - 1):
+        assert ds[j].tolist() == sp.encode(pydoc["docs"][valid[j]]["text"]) + [eod]
+
+
+def test_pydoc_tokenizer_round_trips(pydoc):
+    sp, docs = pydoc["sp"], pydoc["docs"]
+    non_ascii = [d for d in docs if any(ord(c) > 127 for c in d["text"])]
+    assert non_ascii  # the docs hold non-ASCII (NFKC would alter some; identity + byte fallback keep it)
+    for d in docs[:20] + non_ascii + docs[19::20]:  # includes every validation document
+        ids = sp.encode(d["text"])
+        assert 0 not in ids and sp.decode(ids) == d["text"], d["ref"]
+
+
+def test_pydoc_rerun_is_a_no_op(pydoc):
+    out = pydoc["out"]
+    before = {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)}
+    assert prep.prepare(out, num_clusters=CLUSTERS, vocab_size=VOCAB, corpus="pydoc") == pydoc["manifest"]
+    assert {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)} == before
+
+
+def test_a_dir_of_one_corpus_is_refused_for_the_other(corpus, pydoc, capsys):
+    for have, want, d in (("kjv", "pydoc", corpus["out"]), ("pydoc", "kjv", pydoc["out"])):
+        before = {f: os.stat(os.path.join(d, f)).st_mtime_ns for f in os.listdir(d)}
+        with pytest.raises(prep.CorpusMismatchError, match=f"already holds the {have} corpus; refusing to build {want}"):
+            prep.prepare(d, num_clusters=CLUSTERS, vocab_size=VOCAB, corpus=want)
+        assert {f: os.stat(os.path.join(d, f)).st_mtime_ns for f in os.listdir(d)} == before
+    assert prep.main(["--out", corpus["out"], "--corpus", "pydoc", "--num-clusters", str(CLUSTERS)]) == 1
+    assert "already holds the kjv corpus" in capsys.readouterr().err
+    assert corpus["manifest"]["corpus"] == "kjv"
+
+
+def test_missing_pydoc_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(corpora, "PYDOC_SOURCES", str(tmp_path / "absent"))
+    monkeypatch.setattr(corpora.shutil, "which", lambda name: None)
+    with pytest.raises(prep.CorpusUnavailableError) as e:
+        prep.prepare(str(tmp_path / "out"), corpus="pydoc")
+    assert "apt-get is unavailable" in str(e.value)
+    assert "apt-get install -y --no-install-recommends python3.11-doc" in str(e.value)
+    with pytest.raises(ValueError, match="corpus must be one of"):
+        prep.prepare(str(tmp_path / "out"), corpus="wiki")

@@ -1,13 +1,29 @@
-"""Prepare a small real-English corpus (the King James Bible) for DiLoCoX runs, fully offline.
+"""Prepare a small real-English corpus (King James Bible or Python docs) for DiLoCoX runs, fully offline.
 
-Why this corpus: these machines reach only package registries, so Hub data sets cannot be downloaded; the
-KJV (public domain) ships as the Debian packages `bible-kjv` + `bible-kjv-text` and gives ~1M tokens.
+Why these corpora: these machines reach only package registries, so Hub data sets cannot be downloaded.
+  --corpus kjv (default)  the King James Bible (public domain), Debian `bible-kjv` + `bible-kjv-text`:
+                          archaic English, ~1M tokens.
+  --corpus pydoc          the Python 3.11 documentation (PSF licence: the docs are distributed under the
+                          Python Software Foundation License Version 2, which permits copying, modifying
+                          and redistributing), Debian `python3.11-doc`: the reST sources of its 497 pages
+                          (html/_sources/, 11 MB): modern technical English with code, ~2.6M tokens.
+Each is installed with apt-get when missing (when root); otherwise CorpusUnavailableError names the
+packages to install. The extraction of each lives in corpora.py. A DIR holds one corpus: manifest.json
+records which, and asking a DIR built for one corpus for the other raises CorpusMismatchError.
 
 Layout of DIR. Every file is written atomically (temp file + os.replace) and every step is skipped when
 its outputs exist, are complete and came from the same inputs, so rerunning is cheap and safe:
   kjv.jsonl                 1189 lines {"text", "ref"}, one document per chapter in canonical order.
                             Verse numbers and chapter headings are stripped, verses joined by one space
                             and whitespace collapsed, so sentencepiece decode(encode(text)) == text.
+  pydoc.jsonl               (pydoc instead of kjv.jsonl) one line per page, pages sorted by path; a page
+                            over 20000 characters is cut between paragraphs into near-equal documents of
+                            at most 20000 (ref "library/os.rst [2/10]") so that strided shards balance.
+                            Section adornment and table-rule lines ("=====", "+---+") are dropped and
+                            whitespace collapsed; the
+                            tokenizer uses identity normalization + byte fallback, so decode(encode) is
+                            exact here too (NFKC would alter some non-ASCII text, and a character not
+                            seen in training would otherwise decode as <unk>).
   tokenizer.model, .vocab   sentencepiece BPE (default 4096 pieces) trained on the training chapters
                             only; unk=0, bos=1, eos=2. Megatron's SentencePieceTokenizer reports eod = eos.
   valid_text_document       held-out validation: every 20th chapter (chapter index i, i % 20 == 19).
@@ -17,7 +33,8 @@ its outputs exist, are complete and came from the same inputs, so rerunning is c
                             mix of books in near-equal amounts (contiguous shards would give cluster 0
                             mostly Old Testament). Shards are disjoint; their union is train_all. Shards
                             of an earlier, larger C are deleted.
-  manifest.json             counts, hashes and the chapter indices of every split.
+  manifest.json             corpus, counts, hashes and the document indices of every split (the key is
+                            "chapters" for both corpora). "chapter" above means document for pydoc.
 Each .bin/.idx pair is written by megatron-core's IndexedDatasetBuilder: one sequence per document,
 its sentencepiece ids followed by one EOD id, dtype uint16 -- what Megatron's tools/preprocess_data.py
 --append-eod writes. Token counts in the manifest include the EOD tokens.
@@ -31,72 +48,30 @@ import json
 import logging
 import os
 import re
-import shutil
-import subprocess
+import shutil  # noqa: F401 (the tests patch prep.shutil.which; corpora.py uses the same module)
 import sys
 import time
 
 import numpy as np
 
-N_CHAPTERS, N_VERSES = 1189, 31102
+from megatron_dilocox.data.corpora import (  # noqa: F401 (re-exported: the KJV API lives here)
+    CORPORA, N_CHAPTERS, N_VERSES, PACKAGES, CorpusUnavailableError, ensure_bible, extract_chapters)
+
 VALID_EVERY = 20
-PACKAGES = ("bible-kjv", "bible-kjv-text")
 MANIFEST_VERSION = 1
 log = logging.getLogger("megatron_dilocox.data.prepare")
 
 
-class CorpusUnavailableError(RuntimeError):
-    """The `bible` program is missing and could not be installed here."""
+class CorpusMismatchError(ValueError):
+    """out_dir already holds a different corpus than the one asked for."""
 
 
-def ensure_bible() -> str:
-    """Path of the `bible` program, installing the Debian packages with apt-get if it is missing."""
-    path = shutil.which("bible")
-    if path:
-        return path
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
-    hint = f"install the Debian packages {', '.join(PACKAGES)} as root: {' '.join(cmd)}"
-    if shutil.which("apt-get") is None:
-        raise CorpusUnavailableError(f"`bible` not found and apt-get is unavailable; {hint}")
-    if os.geteuid() != 0:
-        raise CorpusUnavailableError(f"`bible` not found and this process is not root; {hint}")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    log.info("installing %s with apt-get", " ".join(PACKAGES))
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:  # most often stale package lists: update once and retry
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True)
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    path = shutil.which("bible")
-    if r.returncode != 0 or not path:
-        raise CorpusUnavailableError(f"{' '.join(cmd)} failed (rc {r.returncode}): {r.stderr[-1500:]}")
-    return path
-
-
-_HEADING = re.compile(r"^(\S.*) (\d+)$")   # "1 Samuel 3"
-_VERSE = re.compile(r"^\s+(\d+) (.*)$")      # "  12 And the earth brought forth ..."
-
-
-def extract_chapters(bible: str) -> list:
-    """All 1189 chapters as {"text", "ref"}, verse references stripped; checks the verse numbering."""
-    out = subprocess.run([bible, "-l0", "Gen1:1-Rev22:21"], capture_output=True, text=True,
-                         check=True).stdout
-    chapters = []
-    for line in out.splitlines():
-        if not line.strip():
-            continue
-        if _HEADING.match(line):
-            chapters.append((line.strip(), []))
-        elif (m := _VERSE.match(line)) and chapters:
-            ref, verses = chapters[-1]
-            if int(m.group(1)) != len(verses) + 1:
-                raise ValueError(f"verse numbering broken at {ref}:{m.group(1)}")
-            verses.append(" ".join(m.group(2).split()))
-        else:
-            raise ValueError(f"unexpected line in `bible` output: {line!r}")
-    n_verses = sum(len(v) for _, v in chapters)
-    if (len(chapters), n_verses) != (N_CHAPTERS, N_VERSES):
-        raise ValueError(f"expected {N_CHAPTERS} chapters / {N_VERSES} verses, got {len(chapters)} / {n_verses}")
-    return [{"text": " ".join(v), "ref": ref} for ref, v in chapters]
+def _corpus_in(out: str, manifest: dict):
+    """Which corpus out already holds: the manifest's, else the one whose text file is there, else None."""
+    if manifest.get("splits"):
+        return manifest.get("corpus", "kjv")  # manifests before pydoc existed were all KJV
+    have = [c for c, spec in CORPORA.items() if os.path.exists(os.path.join(out, spec["file"]))]
+    return have[0] if have else None
 
 
 def split_chapters(n_docs: int, num_clusters: int, valid_every: int = VALID_EVERY) -> dict:
@@ -131,18 +106,20 @@ def _read_json(path: str):
         return None
 
 
-def _read_docs(path: str):
-    """The documents of kjv.jsonl, or None when the file is missing or incomplete."""
+def _read_docs(path: str, count=None):
+    """The documents of a corpus's .jsonl, or None when the file is missing or incomplete (count: the
+    number of documents the corpus must have, when known)."""
     try:
         with open(path, encoding="utf-8") as f:
             docs = [json.loads(line) for line in f]
     except (OSError, ValueError):
         return None
-    ok = len(docs) == N_CHAPTERS and all(isinstance(d, dict) and d.get("text") for d in docs)
+    ok = (len(docs) == count if count else bool(docs)) and all(
+        isinstance(d, dict) and d.get("text") and d.get("ref") for d in docs)
     return docs if ok else None
 
 
-def _train_tokenizer(out: str, texts: list, vocab_size: int) -> None:
+def _train_tokenizer(out: str, texts: list, vocab_size: int, **options) -> None:
     """BPE on whole chapters. Written via model_writer with a fixed thread count so the model file is
     byte-identical on every machine (clusters preparing data separately get the same tokenizer sha)."""
     import io
@@ -151,7 +128,7 @@ def _train_tokenizer(out: str, texts: list, vocab_size: int) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
         character_coverage=1.0, max_sentence_length=1 << 17,  # whole chapters (Psalm 119: ~25k chars)
-        num_threads=4, minloglevel=2)
+        num_threads=4, minloglevel=2, **options)
     sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
     vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
     _atomic_write(os.path.join(out, "tokenizer.vocab"), vocab.encode("utf-8"))  # for humans only
@@ -193,25 +170,34 @@ def _build_dataset(prefix: str, docs_ids: list, eod: int, dtype) -> None:
     os.replace(tmp + ".idx", prefix + ".idx")
 
 
-def prepare(out_dir: str, num_clusters: int = 2, vocab_size: int = 4096) -> dict:
-    """Build (or reuse) everything under out_dir; returns the manifest (also written to manifest.json)."""
+def prepare(out_dir: str, num_clusters: int = 2, vocab_size: int = 4096, corpus: str = "kjv") -> dict:
+    """Build (or reuse) everything under out_dir; returns the manifest (also written to manifest.json).
+    corpus: "kjv" or "pydoc"; a directory that holds the other one is refused (CorpusMismatchError)."""
+    if corpus not in CORPORA:
+        raise ValueError(f"corpus must be one of {', '.join(CORPORA)}, got {corpus!r}")
+    spec = CORPORA[corpus]
     if num_clusters < 1:
         raise ValueError(f"num_clusters must be >= 1, got {num_clusters}")
     if not 256 <= vocab_size <= 65500:  # uint16 token ids
         raise ValueError(f"vocab_size must be in [256, 65500], got {vocab_size}")
     out = os.path.abspath(out_dir)
     os.makedirs(out, exist_ok=True)
-    old = _read_json(os.path.join(out, "manifest.json")) or {}
+    old = _read_json(os.path.join(out, "manifest.json"))
+    old = old if isinstance(old, dict) else {}
+    have = _corpus_in(out, old)
+    if have not in (None, corpus):
+        raise CorpusMismatchError(f"{out} already holds the {have} corpus; refusing to build {corpus} into it "
+                                  f"(the splits would mix): use another output directory or delete {out}")
     if old.get("version") != MANIFEST_VERSION:
         old = {}
 
-    # a/b. text: one document per chapter
-    text_path = os.path.join(out, "kjv.jsonl")
-    docs = _read_docs(text_path)
+    # a/b. text: one document per chapter (kjv) / per page or page part (pydoc)
+    text_path = os.path.join(out, spec["file"])
+    docs = _read_docs(text_path, spec["count"])
     if docs is None:
-        docs = extract_chapters(ensure_bible())
+        docs = spec["extract"]()
         _atomic_write(text_path, "".join(json.dumps(d) + "\n" for d in docs).encode("utf-8"))
-        log.info("wrote %s (%d chapters)", text_path, len(docs))
+        log.info("wrote %s (%d %s)", text_path, len(docs), spec["unit"])
     else:
         log.info("kept %s", text_path)
     text_sha = _sha256(text_path)
@@ -224,7 +210,7 @@ def prepare(out_dir: str, num_clusters: int = 2, vocab_size: int = 4096) -> dict
     tok_path = os.path.join(out, "tokenizer.model")
     sp = _load_tokenizer(tok_path, vocab_size) if old.get("text_sha256", text_sha) == text_sha else None
     if sp is None:
-        _train_tokenizer(out, [texts[i] for i in splits["train_all"]], vocab_size)
+        _train_tokenizer(out, [texts[i] for i in splits["train_all"]], vocab_size, **spec["trainer"])
         sp = _load_tokenizer(tok_path, vocab_size)
         if sp is None:
             raise ValueError(f"sentencepiece did not produce {vocab_size} pieces in {tok_path}")
@@ -264,7 +250,7 @@ def prepare(out_dir: str, num_clusters: int = 2, vocab_size: int = 4096) -> dict
 
     # f. manifest (rewritten only when its content changes)
     manifest = {
-        "version": MANIFEST_VERSION, "source": "King James Bible (Debian bible-kjv-text), one document per chapter",
+        "version": MANIFEST_VERSION, "corpus": corpus, "source": spec["source"],
         "documents": len(docs), "text_sha256": text_sha, "num_clusters": num_clusters,
         "shard_mode": "strided", "valid_every": VALID_EVERY, "vocab_size": sp.get_piece_size(),
         "eod_id": eod, "tokenizer_model": "tokenizer.model", "tokenizer_sha256": tok_sha,
@@ -280,7 +266,8 @@ def summary(manifest: dict, out_dir: str, seconds: float) -> str:
     s = manifest["splits"]
     shards = ", ".join(f"c{k} {s[f'train_c{k}']['documents']}/{s[f'train_c{k}']['tokens']}"
                        for k in range(manifest["num_clusters"]))
-    return (f"prepare: {out_dir}: {manifest['documents']} chapters; docs/tokens train_all "
+    unit = CORPORA[manifest.get("corpus", "kjv")]["unit"]
+    return (f"prepare: {out_dir}: {manifest['documents']} {unit}; docs/tokens train_all "
             f"{s['train_all']['documents']}/{s['train_all']['tokens']}, valid {s['valid']['documents']}/"
             f"{s['valid']['tokens']}, {shards}; vocab {manifest['vocab_size']}, eod {manifest['eod_id']}; "
             f"{seconds:.1f}s")
@@ -291,12 +278,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--num-clusters", type=int, default=2, help="number of per-cluster training shards")
     p.add_argument("--vocab-size", type=int, default=4096, help="sentencepiece BPE vocabulary size")
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="kjv",
+                   help="kjv: King James Bible (bible-kjv); pydoc: Python 3.11 docs (python3.11-doc)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     log.setLevel(logging.INFO)
     t0 = time.perf_counter()
     try:
-        manifest = prepare(a.out, a.num_clusters, a.vocab_size)
+        manifest = prepare(a.out, a.num_clusters, a.vocab_size, a.corpus)
     except (CorpusUnavailableError, ValueError) as e:
         print(f"prepare: error: {e}", file=sys.stderr)
         return 1
