@@ -20,10 +20,9 @@ its outputs exist, are complete and came from the same inputs, so rerunning is c
                             over 20000 characters is cut between paragraphs into near-equal documents of
                             at most 20000 (ref "library/os.rst [2/10]") so that strided shards balance.
                             Section adornment and table-rule lines ("=====", "+---+") are dropped and
-                            whitespace collapsed; the
-                            tokenizer uses identity normalization + byte fallback, so decode(encode) is
-                            exact here too (NFKC would alter some non-ASCII text, and a character not
-                            seen in training would otherwise decode as <unk>).
+                            whitespace collapsed; the tokenizer uses identity normalization + byte
+                            fallback, so decode(encode(text)) == text here too (NFKC would alter some
+                            non-ASCII text, and a character unseen in training would decode as <unk>).
   tokenizer.model, .vocab   sentencepiece BPE (default 4096 pieces) trained on the training chapters
                             only; unk=0, bos=1, eos=2. Megatron's SentencePieceTokenizer reports eod = eos.
   valid_text_document       held-out validation: every 20th chapter (chapter index i, i % 20 == 19).
