@@ -134,3 +134,22 @@ def test_codec_state_roundtrip():
     a = codec.exchange([d], SoloCollective(), 2).deltas[0]
     b = other.exchange([d], SoloCollective(), 2).deltas[0]
     assert torch.equal(a, b) and torch.equal(codec.error[0], other.error[0])
+
+
+def test_default_rank_ceiling_is_4x_rank_capped_by_the_matrix_and_by_the_byte_budget():
+    from megatron_dilocox.compression.codec import HEADER_BYTES
+    from megatron_dilocox.compression.collective import dense_allreduce_bytes
+    from megatron_dilocox.compression.quantize import payload_bytes
+    # no budget (C=1): 4 x rank, then min(rows, cols) of the smallest low-rank matrix
+    assert codec_for((96, 64), 4).rank_cap == 16
+    assert codec_for((96, 12), 4).rank_cap == 12
+    assert codec_for((96, 64), 4, lowrank_rank_max=40).rank_cap == 40  # explicit: as given
+    # C=2, int4, block 64: the largest r <= 16 with (C-1)(header + p1 + p2) <= dense fp32 / min_compression
+    shape, C, ratio = (512, 384), 2, 300.0
+    codec = PseudoGradientCodec([shape], DiLoCoXConfig(lowrank_rank=2, lowrank_min_dim=8, quant_bits=4,
+                                                       quant_block_size=64, num_clusters=C, min_compression=ratio))
+    sent = lambda r: HEADER_BYTES + payload_bytes(512 * r, 4, 64) + payload_bytes(384 * r, 4, 64) + 4 * (r + 1)  # noqa
+    budget = dense_allreduce_bytes(512 * 384, C) / ratio
+    expected = max(r for r in range(2, 9) if sent(r) <= budget)
+    assert codec.rank_cap == expected and 2 < expected < 8
+    assert codec.round_bytes(expected, C) == sent(expected)
