@@ -52,8 +52,10 @@ class DiLoCoXConfig:
     overlap: str = knob("one-step-delay", "none (synchronous DiLoCo) or one-step-delay (transfer hidden "
                                           "behind the next round, applied one round late)")
 
-    delay_local_weight: float = knob(1.0, "one-step-delay: the next round starts at φ − α δ_t (α = this "
-                                          "weight of the cluster's own unsynced progress)")
+    delay_local_weight: Optional[float] = knob(None, "weight of the cluster's own unsynced progress while its "
+                                                     "round is in flight: one-step-delay starts the next round at "
+                                                     "φ − w δ_t (default 1); eager weighs δ_t − δ_{t−1} by w "
+                                                     "(default 1/C, the paper's proxy)")
 
     # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
     outer_lr: float = knob(0.7, "outer learning rate")
@@ -156,7 +158,8 @@ class DiLoCoXConfig:
         if self.overlap not in OVERLAP_MODES:
             fail("overlap", f"must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
 
-        if not (isinstance(self.delay_local_weight, (int, float)) and 0.0 <= self.delay_local_weight <= 1.0):
+        if self.delay_local_weight is not None and not (
+                isinstance(self.delay_local_weight, (int, float)) and 0.0 <= self.delay_local_weight <= 1.0):
             fail("delay_local_weight", f"must be in [0, 1], got {self.delay_local_weight!r}")
         if not (isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr) and self.outer_lr > 0):
             fail("outer_lr", f"must be a positive finite number, got {self.outer_lr!r}")

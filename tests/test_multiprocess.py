@@ -116,11 +116,13 @@ def _nesterov(buf, g, mom):
     return buf, [x + mom * b for x, b in zip(g, buf)]
 
 
-@pytest.mark.parametrize("overlap,alpha", [("one-step-delay", 1.0), ("one-step-delay", 0.5), ("eager", 1.0)])
+@pytest.mark.parametrize("overlap,alpha", [("one-step-delay", None), ("one-step-delay", 0.5), ("eager", None),
+                                           ("eager", 0.75)])
 def test_delayed_overlap_variants_match_single_process_reference_round_by_round(overlap, alpha):
     """2 clusters, Adam inner, Nesterov outer, no compression: the pseudo-code of DESIGN §1 replayed for each
-    overlap rule: θ ← φ − α δ_t (one-step-delay), θ ← φ + c_t with c the outer optimizer run on
-    (δ_t − δ_{t−1})/C (eager: the last average with this cluster's stale term replaced by its fresh one)."""
+    overlap rule: θ ← φ − w δ_t (one-step-delay, w = 1 by default), θ ← φ + c_t with c the outer optimizer run
+    on w (δ_t − δ_{t−1}) (eager, w = 1/C by default: the last average with this cluster's stale term replaced
+    by its fresh one)."""
     C, H, steps, lr_out, mom = 2, 3, 12, 0.7, 0.9
     res = run(C, steps=steps, inner="adam", inner_lr=0.01, finalize=False,
               dilocox=spec(C, h=H, lowrank=False, quant_bits=32, outer_lr=lr_out, outer_momentum=mom,
@@ -156,12 +158,13 @@ def test_delayed_overlap_variants_match_single_process_reference_round_by_round(
         in_flight = deltas
         for c in range(C):
             if overlap == "eager":
-                corr_buf[c], upd = _nesterov(corr_buf[c], [(d - q) / C for d, q in zip(deltas[c], prev[c])], mom)
+                w = 1 / C if alpha is None else alpha
+                corr_buf[c], upd = _nesterov(corr_buf[c], [(d - q) * w for d, q in zip(deltas[c], prev[c])], mom)
                 corr[c] = [k - lr_out * u for k, u in zip(corr[c], upd)]
                 prev[c] = deltas[c]
                 local = corr[c]
             else:
-                local = [-alpha * d for d in deltas[c]]
+                local = [-(1.0 if alpha is None else alpha) * d for d in deltas[c]]
             with torch.no_grad():
                 for p, f, k in zip(models[c].parameters(), phi, local):
                     p.copy_(f + k)

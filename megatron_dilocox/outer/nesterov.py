@@ -41,7 +41,7 @@ class OuterNesterov:
 
 
 class LocalCorrection:
-    """Eager updates' private part: the outer optimizer run on (δ_t − δ_{t−1}) / C from c = 0.
+    """Eager updates' private part: the outer optimizer run on w (δ_t − δ_{t−1}) from c = 0 (w = 1/C).
 
     The eager proxy for round t's average is Δ̄_{t−1} + (δ_t − δ_{t−1})/C. Outer SGD with momentum is linear
     in its inputs, so applying it to the proxies equals φ (the shared model, fed Δ̄_{t−1}) plus c_t, this
@@ -54,9 +54,10 @@ class LocalCorrection:
         self.opt = OuterNesterov(self.value, config.outer_lr, config.resolved_outer_momentum, config.outer_nesterov)
 
     @torch.no_grad()
-    def step(self, delta: Sequence[torch.Tensor], num_clusters: int):
+    def step(self, delta: Sequence[torch.Tensor], weight: float):
+        """``weight`` = 1/C for the paper's proxy."""
         delta = [d.to(v.device, torch.float32) for d, v in zip(delta, self.value)]
-        self.opt.step([(d - p) / num_clusters for d, p in zip(delta, self.prev)])
+        self.opt.step([(d - p) * weight for d, p in zip(delta, self.prev)])
         self.prev = [d.clone() for d in delta]
 
     def state_dict(self) -> dict:

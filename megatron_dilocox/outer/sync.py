@@ -59,7 +59,7 @@ class DiLoCoXSync:
         self.codec = PseudoGradientCodec([p.shape for p in self.params], config, device=self.device)
         self.delayed = config.overlap != "none"  # one-step-delay or eager: the exchange overlaps the next round
         self.eager = config.overlap == "eager"
-        self.local_weight = config.delay_local_weight  # α: θ ← φ − α δ_t (one-step-delay)
+        self.local_weight = config.delay_local_weight  # w (None: 1 for one-step-delay, 1/C for eager)
         self.correction: Optional[LocalCorrection] = None  # eager: this cluster's fresh-term proxy
         self.h = config.h
         self.round = 0  # rounds completed (launched) so far
@@ -173,7 +173,7 @@ class DiLoCoXSync:
     def _local_start(self, delta) -> list:
         """θ for the next round while round t's average is in flight: φ plus a local stand-in for it.
 
-        one-step-delay: θ ← φ − α δ_t (α = 1: all of my unsynced progress, as is).
+        one-step-delay: θ ← φ − w δ_t (w = 1: all of my unsynced progress, as is).
         eager (Kale et al., 2025): the outer step of round t would use Δ̄_t, which is not here yet; its proxy
         is the last average with my stale term replaced by my fresh one, Δ̄_{t−1} + (δ_t − δ_{t−1})/C. φ
         already took Δ̄_{t−1}; the outer optimizer is linear, so the rest is the same optimizer (lr, momentum)
@@ -181,9 +181,9 @@ class DiLoCoXSync:
         if self.eager:
             if self.correction is None:
                 self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
-            self.correction.step(delta, self.group.size)
+            self.correction.step(delta, 1.0 / self.group.size if self.local_weight is None else self.local_weight)
             return [a.to(d.device) + c.to(d.device) for a, c, d in zip(self.anchor, self.correction.value, delta)]
-        if self.local_weight == 1.0:
+        if self.local_weight is None or self.local_weight == 1.0:
             return [a.to(d.device) - d for a, d in zip(self.anchor, delta)]  # θ ← φ − δ_t
         return [a.to(d.device) - self.local_weight * d for a, d in zip(self.anchor, delta)]
 
