@@ -1,0 +1,70 @@
+"""The public plain-PyTorch API (megatron_dilocox.api.DiLoCoX): hooks on any torch optimizer's step.
+
+Real processes and the real authenticated gloo group; the reference is the core driven by hand
+(tests/workers.py's train_worker calls DiLoCoXSync.after_inner_step itself)."""
+import pytest
+import torch
+
+from megatron_dilocox.api import DiLoCoX
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.local_launch import free_port, run_clusters
+from tests.workers import batch, loss_fn, make_model, train_worker
+
+SECRET = "api-secret"
+
+
+def api_worker(cluster, local_rank, spec):
+    cfg = DiLoCoXConfig(cluster_id=cluster, **spec["dilocox"])
+    model = make_model(0)
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    out = {"params": [], "global_eval": [], "restored": []}
+    with DiLoCoX(model, inner, cfg) as dl:
+        for step in range(spec["steps"]):
+            inner.zero_grad()
+            loss_fn(model, *batch(cluster, local_rank, step)).backward()
+            inner.step()  # the round runs inside this call's post-hook at every H-th step
+            if (step + 1) % cfg.h == 0:
+                out["params"].append([p.detach().clone() for p in model.parameters()])
+                before = [p.detach().clone() for p in model.parameters()]
+                with dl.global_model():
+                    out["global_eval"].append([p.detach().clone() for p in model.parameters()])
+                out["restored"].append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+    anchors = [a.clone() for a in dl.sync.anchor]  # after the block: the final flush applied the last round
+    out["final"] = [p.detach().clone() for p in model.parameters()]
+    out["anchors"] = anchors
+    out["rows"] = dl.rows
+    return out
+
+
+@pytest.mark.parametrize("overlap", ["none", "eager"])
+def test_api_equals_the_core_driven_by_hand_and_global_model_is_phi(overlap):
+    C, H, steps = 2, 3, 12
+    settings = dict(num_clusters=C, secret=SECRET, timeout_seconds=60, adaptive_h=False, h=H, overlap=overlap,
+                    lowrank_rank=2, lowrank_min_dim=8, quant_bits=4, quant_block_size=32)
+    api = run_clusters(api_worker, C, 1, args=({"steps": steps, "dilocox": dict(
+        settings, rendezvous=f"127.0.0.1:{free_port()}")},), timeout=240)
+    ref = run_clusters(train_worker, C, 1, args=({"steps": steps, "inner": "adam", "inner_lr": 0.01, "same_init": True,
+                                                  "dilocox": dict(settings, rendezvous=f"127.0.0.1:{free_port()}")},),
+                       timeout=240)
+    for c in range(C):
+        a, r = api[(c, 0)], ref[(c, 0)]
+        assert r["error"] is None
+        assert len(a["params"]) == steps // H
+        # bitwise: the same core, the same data, the same order of operations
+        for got, want in zip(a["params"], r["params"]):
+            assert all(torch.equal(x, y) for x, y in zip(got, want))
+        assert all(torch.equal(x, y) for x, y in zip(a["final"], r["final_params"]))
+        assert [row["global_model_hash"] for row in a["rows"]] == [row["global_model_hash"] for row in r["rows"]]
+        assert all(a["restored"])  # θ back bitwise after global_model()
+    # global_model() shows φ, the same on both clusters; after the final flush every cluster holds φ
+    for k in range(steps // H):
+        assert all(torch.equal(x, y) for x, y in zip(api[(0, 0)]["global_eval"][k], api[(1, 0)]["global_eval"][k]))
+    assert all(torch.equal(x, y) for x, y in zip(api[(0, 0)]["final"], api[(1, 0)]["final"]))
+    assert all(torch.equal(x, y) for x, y in zip(api[(0, 0)]["final"], api[(0, 0)]["anchors"]))
+
+
+def test_api_refuses_parameters_the_optimizer_does_not_step():
+    model = make_model(0)
+    inner = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
+    with pytest.raises(ValueError, match=r"parameters \[2, 3\] are not stepped by the inner optimizer"):
+        DiLoCoX(model, inner, DiLoCoXConfig())
