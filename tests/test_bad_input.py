@@ -132,10 +132,10 @@ ROWS = [
     row("adaptive-h-margin-nan", ["--dilocox", "--dilocox-adaptive-h-margin", "nan"],
         CFG + "--dilocox-adaptive-h-margin: must be in [0, 10], got nan"),
     row("adaptive-h-with-value", ["--dilocox", "--dilocox-adaptive-h", "false"], USAGE + "unrecognized arguments: false"),
-    row("overlap-unknown", ["--dilocox", "--dilocox-overlap", "eager"],
-        CFG + "--dilocox-overlap: must be one of none, one-step-delay, got 'eager'"),
+    row("overlap-unknown", ["--dilocox", "--dilocox-overlap", "streaming"],
+        CFG + "--dilocox-overlap: must be one of none, one-step-delay, eager, got 'streaming'"),
     row("overlap-wrong-case", ["--dilocox", "--dilocox-overlap", "None"],
-        CFG + "--dilocox-overlap: must be one of none, one-step-delay, got 'None'"),
+        CFG + "--dilocox-overlap: must be one of none, one-step-delay, eager, got 'None'"),
     # ---- outer optimizer
     row("outer-lr-0", ["--dilocox", "--dilocox-outer-lr", "0"], CFG + "--dilocox-outer-lr: must be a positive finite number, got 0.0"),
     row("outer-lr-negative", ["--dilocox", "--dilocox-outer-lr", "-0.7"],
@@ -315,7 +315,7 @@ def test_valid_flags_get_through_the_same_path(entry, flags, clusters):
 # End to end: torchrun -m megatron_dilocox.pretrain_gpt, every run at once (one fixture)
 
 E2E = {  # name: (flags, $DILOCOX_SECRET or None, the exact last line the user sees); test_megatron_dilocox.py
-    # runs --dilocox-overlap eager, --dilocox-quant-bits 3 and a too-high rank (one cluster) end to end already
+    # runs --dilocox-overlap streaming, --dilocox-quant-bits 3 and a too-high rank (one cluster) end to end already
     "h-text": (["--dilocox", "--dilocox-h", "ten"], SET, USAGE + "argument --dilocox-h: invalid int value: 'ten'"),
     "secret-unset": (["--dilocox", "--dilocox-num-clusters", "2", "--dilocox-rendezvous", "127.0.0.1:{port}"], None,
                      SECRET_MISSING),

@@ -130,7 +130,9 @@ def test_memory_of_outer_state():
     mem = predict(s)["memory"]
     n = max(sum(math.prod(v) for v in views) for _, views in rank_views(s))
     assert mem["rank_numel"] == n and mem["anchor"] == mem["momentum"] == mem["round_start"] == 4 * n
-    assert mem["cpu_bytes"] == 12 * n and mem["gpu_bytes"] == 4 * n + mem["q"]
+    # eager (the default) adds its private proxy: c, δ_{t−1} and c's momentum buffer (LocalCorrection)
+    assert mem["eager_correction"] == 12 * n and mem["cpu_bytes"] == 24 * n and mem["gpu_bytes"] == 4 * n + mem["q"]
+    assert predict(replace(s, overlap="one-step-delay"))["memory"]["cpu_bytes"] == 12 * n
     on_gpu = predict(replace(s, outer_state_device="param", overlap="none", outer_momentum=0.0))["memory"]
     assert on_gpu["cpu_bytes"] == 0 and on_gpu["gpu_bytes"] == 8 * n + on_gpu["q"]
 

@@ -9,10 +9,14 @@
         overlap=none:
             Δ_t ← exchange(δ_t)                          (compress δ_t + e, average over clusters, update e)
             φ ← Outer(φ, Δ_t);  θ ← φ
-        overlap=one-step-delay:
+        overlap=one-step-delay or eager:
             if round t−1 in flight: Δ_{t−1} ← wait();  φ ← Outer(φ, Δ_{t−1})
             launch exchange(δ_t) in the background
-            θ ← φ − δ_t                                  (newest global model + my unsynced progress)
+            one-step-delay:  θ ← φ − w δ_t                (newest global model + my unsynced progress, w = 1)
+            eager:           c ← Outer_c(c, w (δ_t − δ_{t−1}));  θ ← φ + c
+                             (Kale et al. 2025: Outer applied to the proxy Δ_{t−1} + (δ_t − δ_{t−1})/C, i.e. the
+                             last average with my stale term replaced by my fresh one, is w = 1/C; the
+                             default (1 + 1/C)/2 measured better)
         r, H_{t+1} ← adapt(values every cluster received in the same payload)
 
 The background exchange runs in one worker thread; the caller keeps training while it runs. Only that
@@ -59,7 +63,7 @@ class DiLoCoXSync:
         self.codec = PseudoGradientCodec([p.shape for p in self.params], config, device=self.device)
         self.delayed = config.overlap != "none"  # one-step-delay or eager: the exchange overlaps the next round
         self.eager = config.overlap == "eager"
-        self.local_weight = config.delay_local_weight  # w (None: 1 for one-step-delay, 1/C for eager)
+        self.local_weight = config.resolved_local_weight  # w: 1 for one-step-delay, (1 + 1/C)/2 for eager
         self.correction: Optional[LocalCorrection] = None  # eager: this cluster's fresh-term proxy
         self.h = config.h
         self.round = 0  # rounds completed (launched) so far
@@ -181,9 +185,9 @@ class DiLoCoXSync:
         if self.eager:
             if self.correction is None:
                 self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
-            self.correction.step(delta, 1.0 / self.group.size if self.local_weight is None else self.local_weight)
+            self.correction.step(delta, self.local_weight)
             return [a.to(d.device) + c.to(d.device) for a, c, d in zip(self.anchor, self.correction.value, delta)]
-        if self.local_weight is None or self.local_weight == 1.0:
+        if self.local_weight == 1.0:
             return [a.to(d.device) - d for a, d in zip(self.anchor, delta)]  # θ ← φ − δ_t
         return [a.to(d.device) - self.local_weight * d for a, d in zip(self.anchor, delta)]
 

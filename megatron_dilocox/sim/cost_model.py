@@ -80,8 +80,8 @@ class Setup:
     block: int = 128
     min_dim: int = 64
     lowrank: bool = True
-    overlap: str = "one-step-delay"  # or "none"
-    outer_momentum: float = 0.9
+    overlap: str = "eager"  # or "one-step-delay" (both overlapped) or "none"
+    outer_momentum: float = 0.3  # the package's default under overlap (DiLoCoXConfig.resolved_outer_momentum)
     outer_state_device: str = "cpu"  # or "param"
     allreduce_bits: int = 32  # gradient dtype of the AllReduce baseline (32 or 16)
 
@@ -229,7 +229,9 @@ def memory(s: Setup, rb: dict) -> dict:
     """Bytes of DiLoCoX state on the busiest GPU's rank (outer state on CPU or beside the params)."""
     n = rb["max_rank_numel"]
     outer = {"anchor": 4 * n, "momentum": 4 * n if s.outer_momentum else 0,
-             "round_start": 4 * n if s.overlap == "one-step-delay" else 0}
+             "round_start": 4 * n if s.overlap != "none" else 0,
+             # eager's private proxy: c, δ_{t−1} and c's momentum buffer (outer/nesterov.py LocalCorrection)
+             "eager_correction": 4 * n * (2 + bool(s.outer_momentum)) if s.overlap == "eager" else 0}
     gpu = {"error_feedback": 4 * n, "q": 4 * rb["max_rank_q_numel"]}
     where = "cpu" if s.outer_state_device == "cpu" else "gpu"
     gpu_total = sum(gpu.values()) + (sum(outer.values()) if where == "gpu" else 0)
@@ -252,7 +254,7 @@ def predict(s: Setup) -> dict:
     # DiLoCoX: compressed exchange every H steps
     t_x = dilocox_comm_seconds(s, rb)
     hidden = s.h * t_step
-    exposed = max(0.0, t_x - hidden) if s.overlap == "one-step-delay" else t_x
+    exposed = max(0.0, t_x - hidden) if s.overlap != "none" else t_x
     methods = {
         "allreduce": {"seconds_per_step": t_step + t_ar, "comm_seconds": t_ar,
                       "bytes_per_cluster": 2 * (s.clusters - 1) * grad_bytes / s.clusters},
