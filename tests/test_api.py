@@ -68,3 +68,25 @@ def test_api_refuses_parameters_the_optimizer_does_not_step():
     inner = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
     with pytest.raises(ValueError, match=r"parameters \[2, 3\] are not stepped by the inner optimizer"):
         DiLoCoX(model, inner, DiLoCoXConfig())
+
+
+def test_readme_example_runs_two_clusters_that_agree():
+    """scripts/examples/plain_pytorch.py (the README's example), as a user runs it: two processes."""
+    import os
+    import re
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DILOCOX_SECRET="example-secret", PYTHONPATH=repo, OMP_NUM_THREADS="1")
+    rdv = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, os.path.join(repo, "scripts", "examples", "plain_pytorch.py"),
+                               "--cluster", str(c), "--rendezvous", rdv, "--steps", "100"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    hashes = [re.search(r"global model (\w+)", o).group(1) for o in outs]
+    vals = [[float(v) for v in re.findall(r"validation loss ([\d.]+)", o)] for o in outs]
+    assert hashes[0] == hashes[1]  # every cluster ends with the same global model
+    assert vals[0] == vals[1] and len(vals[0]) == 2  # global_model() is φ: the same on both clusters
+    assert vals[0][1] < vals[0][0]  # and it learns
+    assert all("10 rounds" in o for o in outs)  # 100 steps, H=10 (the last one applied by the final flush)
