@@ -78,6 +78,8 @@ class DiLoCoXConfig:
     lowrank_min_dim: int = knob(64, "matrices with min(rows, cols) below this are sent whole (quantized)")
     adaptive_rank: bool = knob(True, "adapt the rank to keep --dilocox-energy-threshold of the energy")
     energy_threshold: float = knob(0.9, "fraction of the pseudo-gradient energy adaptive rank keeps")
+    error_decay: float = knob(1.0, "error feedback carries beta x the last residual into the next round "
+                                   "(1 = classic error feedback; < 1 forgets old residual)")
     quant_bits: int = knob(4, "bits per transmitted value: 4, 8, 16 (bf16) or 32 (no quantization)")
     quant_block_size: int = knob(128, "values per quantization block (one fp32 scale each)")
     seed: int = knob(1234, "seed shared by all clusters (warm-start Q)")
@@ -192,6 +194,8 @@ class DiLoCoXConfig:
             fail("min_compression", f"must be a number >= 1 (1 = no byte budget), got {self.min_compression!r}")
         if not (0.0 < self.energy_threshold <= 1.0):
             fail("energy_threshold", f"must be in (0, 1], got {self.energy_threshold}")
+        if not (isinstance(self.error_decay, (int, float)) and 0.0 <= self.error_decay <= 1.0):
+            fail("error_decay", f"must be in [0, 1], got {self.error_decay!r}")
         if self.quant_bits not in QUANT_BITS:
             fail("quant_bits", f"must be one of {', '.join(map(str, QUANT_BITS))} (32 = off), got {self.quant_bits!r}")
         need_int("quant_block_size", 2)

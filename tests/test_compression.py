@@ -153,3 +153,16 @@ def test_default_rank_ceiling_is_4x_rank_capped_by_the_matrix_and_by_the_byte_bu
     expected = max(r for r in range(2, 9) if sent(r) <= budget)
     assert codec.rank_cap == expected and 2 < expected < 8
     assert codec.round_bytes(expected, C) == sent(expected)
+
+
+def test_error_decay_carries_beta_times_the_residual():
+    """M = δ + β e: with the same residual e, β = 0.5 compresses exactly δ + e/2 (what β = 1 does on that input)."""
+    g = torch.Generator().manual_seed(3)
+    d, e = torch.randn(48, 40, generator=g), torch.randn(48, 40, generator=g)
+    half = codec_for((48, 40), 4, error_decay=0.5)
+    full = codec_for((48, 40), 4)
+    half.error, full.error = [e], [torch.zeros(48, 40)]
+    a = half.exchange([d], SoloCollective(), 1).deltas[0]
+    b = full.exchange([d + 0.5 * e], SoloCollective(), 1).deltas[0]
+    assert torch.allclose(a, b, rtol=0, atol=1e-6)  # d + 0.5 e rounds once in both; the rest is identical math
+    assert torch.allclose(half.error[0], full.error[0], rtol=0, atol=1e-6)

@@ -23,6 +23,7 @@ INVALID = [
     (dict(overlap="streaming"), "--dilocox-overlap: must be one of none, one-step-delay, eager, got 'streaming'"),
     (dict(delay_local_weight=1.5), "--dilocox-delay-local-weight: must be in [0, 1], got 1.5"),
     (dict(min_compression=0.5), "--dilocox-min-compression: must be a number >= 1"),
+    (dict(error_decay=1.5), "--dilocox-error-decay: must be in [0, 1], got 1.5"),
     (dict(outer_lr=0), "--dilocox-outer-lr: must be a positive finite number, got 0"),
     (dict(outer_lr=float("nan")), "--dilocox-outer-lr: must be a positive finite number, got nan"),
     (dict(outer_momentum=1.0), "--dilocox-outer-momentum: must be in [0, 1), got 1.0"),
