@@ -155,7 +155,7 @@ ROWS = [
     row("rank-above-rank-max", ["--dilocox", "--dilocox-lowrank-rank", "32", "--dilocox-lowrank-rank-max", "16"],
         CFG + "--dilocox-lowrank-rank: must lie within [--dilocox-lowrank-rank-min, --dilocox-lowrank-rank-max] = [1, 16], got 32"),
     row("rank-below-rank-min", ["--dilocox", "--dilocox-lowrank-rank", "4", "--dilocox-lowrank-rank-min", "8"],
-        CFG + "--dilocox-lowrank-rank: must lie within [--dilocox-lowrank-rank-min, --dilocox-lowrank-rank-max] = [8, 4], got 4"),
+        CFG + "--dilocox-lowrank-rank: must lie within [--dilocox-lowrank-rank-min, --dilocox-lowrank-rank-max] = [8, 16], got 4"),
     row("rank-min-above-rank-max", ["--dilocox", "--dilocox-lowrank-rank-min", "8", "--dilocox-lowrank-rank-max", "4"],
         CFG + "--dilocox-lowrank-rank: must lie within [--dilocox-lowrank-rank-min, --dilocox-lowrank-rank-max] = [8, 4], got 16"),
     row("rank-text", ["--dilocox", "--dilocox-lowrank-rank", "full"], USAGE + "argument --dilocox-lowrank-rank: invalid int value: 'full'"),
@@ -387,7 +387,7 @@ def test_rank_above_tensor_dims_is_reported_before_waiting_at_the_rendezvous(e2e
     assert code != 0
     # torch.distributed is up (Megatron built the model), so torch prefixes the traceback with "[rank0]: "
     assert any(re.sub(r"^\[rank\d+\]:\s*", "", line).startswith(
-        CFG + "--dilocox-lowrank-rank-max: rank 100 exceeds min(rows, cols) = 64") for line in lines), \
+        CFG + "--dilocox-lowrank-rank: rank 100 exceeds min(rows, cols) = 64") for line in lines), \
         "\n".join(lines[-15:])
     assert not any("RendezvousError" in line for line in lines)
 

@@ -141,7 +141,7 @@ def test_without_dilocox_flags_the_entry_is_plain_megatron(corpus, tmp_path):
     (["--dilocox-overlap", "streaming"], "--dilocox-overlap: must be one of none, one-step-delay, eager, got 'streaming'"),
     (["--dilocox-quant-bits", "3"], "--dilocox-quant-bits: must be one of 4, 8, 16, 32 (32 = off), got 3"),
     (["--dilocox-lowrank-rank", "100", "--dilocox-lowrank-min-dim", "32"],
-     "--dilocox-lowrank-rank-max: rank 100 exceeds min(rows, cols) = 64"),
+     "--dilocox-lowrank-rank: rank 100 exceeds min(rows, cols) = 64"),
 ])
 def test_bad_flags_stop_before_training(corpus, tmp_path, flags, message):
     codes, logs = launch(1, 1, gpt_flags(corpus, 4), flags, timeout=180)
