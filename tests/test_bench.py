@@ -78,5 +78,7 @@ def test_convergence_quick(tmp_path, kjv):
     assert r["diloco"]["compression_rel_error_mean"] == 0.0
     d = r["dilocox"]
     assert d["bytes_per_round"] * 50 <= d["dense_fp32_per_round"] and 0 < d["compression_rel_error_mean"] < 1
-    assert d["rank_per_round"] and all(1 <= k <= 6 for k in d["rank_per_round"])
+    # adaptive rank may grow from 6 up to 4 x 6, but only within the byte budget (dense fp32 / 100 per round)
+    assert d["rank_per_round"] and all(1 <= k <= 24 for k in d["rank_per_round"])
+    assert max(d["bytes_sent_per_round"]) * 100 <= d["dense_fp32_per_round"]
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
