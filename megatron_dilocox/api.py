@@ -96,7 +96,7 @@ class DiLoCoX:
         With overlap none θ = φ right after a boundary; with the delay θ = φ + this cluster's unsynced part."""
         saved = [p.detach().clone() for p in self.params]
         try:
-            for p, a in zip(self.params, self.sync.anchor):
+            for p, a in zip(self.params, self.sync.global_params()):
                 p.data.copy_(a)
             yield self
         finally:

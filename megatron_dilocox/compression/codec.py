@@ -189,14 +189,10 @@ class PseudoGradientCodec:
         C = coll.size
         sent0, recv0 = coll.counter.sent, coll.counter.received
         M = [self._slab(self._spare, k, e.shape) for k, e in enumerate(self._err)]
-        beta = self.cfg.error_decay
         for d, s, e, m in zip(deltas, self.shapes, self.error, self._views(M)):
             d = d.detach().to(self.device)
-            d = (d if d.dtype in _EXACT_IN_FP32 else d.float()).reshape(s)
-            if beta == 1.0:
-                torch.add(d, e, out=m)  # M = δ + e
-            else:
-                torch.add(d, e, alpha=beta, out=m)  # M = δ + β e
+            # M = δ + β e (β = 1: classic error feedback; 1.0 * e is exact, so that case is bitwise δ + e)
+            torch.add((d if d.dtype in _EXACT_IN_FP32 else d.float()).reshape(s), e, alpha=self.cfg.error_decay, out=m)
         m_sq = [_sumsq(m) for m in M]  # ||M||² per slab: energy total, rel. error, and the finiteness check
         local_ok = all(map(math.isfinite, m_sq)) or all(bool(torch.isfinite(m).all()) for m in M)
         result = ExchangeResult(round=round_idx, deltas=None, status="applied", num_clusters=C,

@@ -187,9 +187,8 @@ class DiLoCoXSync:
                 self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
             self.correction.step(delta, self.local_weight)
             return [a.to(d.device) + c.to(d.device) for a, c, d in zip(self.anchor, self.correction.value, delta)]
-        if self.local_weight == 1.0:
-            return [a.to(d.device) - d for a, d in zip(self.anchor, delta)]  # θ ← φ − δ_t
-        return [a.to(d.device) - self.local_weight * d for a, d in zip(self.anchor, delta)]
+        # θ ← φ − w δ_t in one pass (w = 1: 1.0 * δ is exact, so bitwise φ − δ_t)
+        return [torch.sub(a.to(d.device), d, alpha=self.local_weight) for a, d in zip(self.anchor, delta)]
 
     def wait(self) -> ExchangeResult:
         """The finished in-flight round (blocks until the transfer is done)."""

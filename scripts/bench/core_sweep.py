@@ -109,17 +109,19 @@ def train(cluster, _local_rank, a, variant):
     model = ByteGPT(seq=a["seq"])
     inner = torch.optim.AdamW(model.parameters(), lr=a["lr"], weight_decay=0.01)
     curve, t0 = [], time.time()
+
+    def inner_step(s, x, y):  # the main job's inner step: scheduled lr, clip 1.0, AdamW (the hook runs in step)
+        for g in inner.param_groups:
+            g["lr"] = lr_at(s, a)
+        loss_of(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        inner.step()
+        inner.zero_grad()
+
     if variant is None:  # AllReduce: the union of every cluster's batch, one step
-        data = lambda s: [batch(shards[c], s, a["batch"], a["seq"], c) for c in range(a["clusters"])]  # noqa: E731
         for s in range(a["steps"]):
-            for g in inner.param_groups:
-                g["lr"] = lr_at(s, a)
-            parts = data(s)
-            loss = loss_of(model, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            inner.step()
-            inner.zero_grad()
+            parts = [batch(shards[c], s, a["batch"], a["seq"], c) for c in range(a["clusters"])]
+            inner_step(s, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
             if (s + 1) % a["eval_every"] == 0:
                 curve.append((s + 1, evaluate(model, valid, a)))
         return {"curve": curve, "seconds": time.time() - t0, "rows": []}
@@ -127,13 +129,7 @@ def train(cluster, _local_rank, a, variant):
                         secret=a["secret"], seed=a["seed"], **variant)
     with DiLoCoX(model, inner, cfg) as dl:
         for s in range(a["steps"]):
-            for g in inner.param_groups:
-                g["lr"] = lr_at(s, a)
-            loss = loss_of(model, *batch(shards[cluster], s, a["batch"], a["seq"], cluster))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            inner.step()
-            inner.zero_grad()
+            inner_step(s, *batch(shards[cluster], s, a["batch"], a["seq"], cluster))
             if (s + 1) % a["eval_every"] == 0 and s + 1 < a["steps"]:
                 with dl.global_model():
                     curve.append((s + 1, evaluate(model, valid, a)))
