@@ -31,13 +31,14 @@ EXIT_PEER_FAILURE = 3  # the run stopped because a cluster was lost (--dilocox-o
 
 
 def _prepare_runtime():
-    """CPU backend when there is no GPU, the dataset-helper skip always, checkpoint fixes."""
+    """CPU backend when there is no GPU, the dataset-helper skip always, checkpoint and MoE fixes."""
     global _ON_CPU
-    from megatron_dilocox.glue import checkpoint_fixes
+    from megatron_dilocox.glue import checkpoint_fixes, moe_fixes
 
     _ON_CPU = cpu_backend.activate()
     cpu_backend.skip_dataset_helper_compile()
     checkpoint_fixes.install()
+    moe_fixes.install()
 
 
 #: The order get_batch returns them in.

@@ -153,6 +153,22 @@ def _own_generator(build):
     return build_pretraining_data_loader
 
 
+def _host_copy(tensor, as_numpy=False, record_stream=False):
+    """MoE's ``maybe_move_tensor_to_cpu`` copies only ``is_cuda`` tensors to the host (as numpy split
+    sizes for ``all_to_all_single``). On CPU every "device" tensor is a CPU tensor, so copy those too:
+    otherwise the alltoall dispatcher hands gloo tensor split sizes, which its binding refuses."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.detach().clone()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
+def _no_device_capability(*args, **kwargs):
+    raise RuntimeError("No GPU: Megatron asked for the GPU's compute capability, which it does for "
+                       "--moe-grouped-gemm (Transformer Engine's TEGroupedMLP, GPU only). Drop --moe-grouped-gemm "
+                       "on CPU: the local experts are SequentialMLP")
+
+
 def skip_dataset_helper_compile():
     """Skip ``make`` of the dataset helpers when the prebuilt extension imports.
 
@@ -210,6 +226,8 @@ def activate(skip_jit_warmup=True):
     cuda.device_count = lambda: 1
     # 10: initialize_megatron selects a device per local rank.
     cuda.set_device = lambda *a, **k: None
+    # 16: validate_args asks it for --moe-grouped-gemm; say what to change instead of "no NVIDIA driver".
+    cuda.get_device_capability = _no_device_capability
     # 13: only read with --log-memory-to-tensorboard.
     cuda.memory_stats = _empty_memory_stats
     # 5, 6: Tensor.cuda() and the "torch.cuda.FloatTensor" type-name checks.
@@ -248,6 +266,12 @@ def activate(skip_jit_warmup=True):
     # 14: exact resume with dropout (see _own_generator).
     mt_training.build_pretraining_data_loader = _own_generator(
         mt_training.build_pretraining_data_loader)
+
+    # 15: the MoE alltoall dispatcher's device-to-host copy of its split sizes (see _host_copy).
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    moe_utils.maybe_move_tensor_to_cpu = _host_copy
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
 
     # Optional: the JIT warm-up only compiles fused kernels we do not use on CPU.
     if skip_jit_warmup:
