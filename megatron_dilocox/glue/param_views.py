@@ -5,6 +5,12 @@ Low-rank compression needs matrices, but the distributed optimizer gives each ra
 is split into the rows it covers completely (a matrix view [k, cols], low-rank compressed when large
 enough) and at most two partial rows (1-D views, sent whole, quantized). Views share storage with the
 main parameters, so the outer step writes straight into what the optimizer steps.
+
+MoE: each view is tagged with its kind. "expert" views belong to parameters Megatron reduces over the
+expert-data-parallel group (``allreduce == False``: expert parallelism or expert-TP != TP), whose
+distributed-optimizer shards come from the expert leaf optimizer; they are compressed exactly like dense
+ones (same-shape expert matrices batched by the codec). "router" views (tagged by ``glue.moe_fixes``) are
+flattened to 1-D, so the codec sends them whole: the gate is tiny and routing is sensitive to it.
 """
 from __future__ import annotations
 
@@ -59,13 +65,31 @@ def _owned_pairs(leaf) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:
                 yield p, p, 0, p.numel()
 
 
-def main_param_views(optimizer) -> list[torch.Tensor]:
-    """Every tensor DiLoCoX syncs on this rank, in a deterministic order (same layout -> same list)."""
+ROUTER_TAG = "_dilocox_router"  # set on router parameters by glue.moe_fixes
+
+
+def param_kind(model_param) -> str:
+    """'router', 'expert' (reduced over the expert-data-parallel group) or 'dense'."""
+    if getattr(model_param, ROUTER_TAG, False):
+        return "router"
+    return "expert" if not getattr(model_param, "allreduce", True) else "dense"
+
+
+def tagged_param_views(optimizer) -> list[tuple[torch.Tensor, str]]:
+    """(view, kind) for every tensor DiLoCoX syncs on this rank, in a deterministic order."""
     views = []
     for leaf in leaf_optimizers(optimizer):
         if getattr(leaf, "is_stub_optimizer", False):
             continue
         for main, model_param, start, end in _owned_pairs(leaf):
-            flat = main.data.view(-1)
-            views += row_aligned_views(flat, model_param.shape, start, end)
+            flat, kind = main.data.view(-1), param_kind(model_param)
+            if kind == "router":
+                views.append((flat, kind))
+            else:
+                views += [(v, kind) for v in row_aligned_views(flat, model_param.shape, start, end)]
     return views
+
+
+def main_param_views(optimizer) -> list[torch.Tensor]:
+    """Every tensor DiLoCoX syncs on this rank, in a deterministic order (same layout -> same list)."""
+    return [v for v, _ in tagged_param_views(optimizer)]

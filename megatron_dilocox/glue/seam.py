@@ -29,6 +29,7 @@ per rank in ``torch_dist`` checkpoints, a plain entry in ``torch`` ones).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 from typing import Optional
@@ -38,7 +39,7 @@ import torch
 from megatron_dilocox.compression.codec import split_layout
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.glue import checkpoints
-from megatron_dilocox.glue.param_views import leaf_optimizers, main_param_views
+from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
 from megatron_dilocox.outer.sync import DiLoCoXSync
@@ -54,9 +55,12 @@ def fingerprint(cfg: DiLoCoXConfig, args, views) -> dict:
 
     import megatron_dilocox
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-            "context_parallel_size", "expert_model_parallel_size", "data_parallel_size",
-            "use_distributed_optimizer", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-            "seq_length", "padded_vocab_size", "seed", "params_dtype", "optimizer")
+            "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+            "data_parallel_size", "use_distributed_optimizer", "num_layers", "hidden_size", "ffn_hidden_size",
+            "num_attention_heads", "num_query_groups", "swiglu", "normalization",
+            "untie_embeddings_and_output_weights", "add_bias_linear", "num_experts", "moe_ffn_hidden_size",
+            "moe_router_topk", "moe_layer_freq", "seq_length", "padded_vocab_size", "seed", "params_dtype",
+            "optimizer")
     fp = {k: str(getattr(args, k, None)) for k in keys}
     fp.update(dilocox=cfg.agreement_dict(), megatron_core=megatron.core.__version__,
               megatron_dilocox=megatron_dilocox.__version__, shapes=[list(v.shape) for v in views])
@@ -72,13 +76,14 @@ class DiLoCoXOptimizer:
         self.cfg = cfg
         self.train_iters = getattr(args, "train_iters", None)
         self.leaves = leaf_optimizers(inner)
-        views = main_param_views(inner)
-        self._dp_owner: Optional[list[int]] = None
+        tagged = tagged_param_views(inner)
+        self._dp_owner: Optional[list[tuple]] = None  # (group, global rank of the owner) per view
         if not getattr(args, "use_distributed_optimizer", False) and mpu.get_data_parallel_world_size() > 1:
-            dp, me = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-            self._dp_owner = [i % dp for i in range(len(views))]
-            self._all_views = views
-            views = [v for v, owner in zip(views, self._dp_owner) if owner == me]
+            self._dp_owner = _deal_over_replicas([kind for _, kind in tagged])
+            self._all_views = [v for v, _ in tagged]
+            me = torch.distributed.get_rank()
+            tagged = [t for t, (_, owner) in zip(tagged, self._dp_owner) if owner == me]
+        views, self.view_kinds = [v for v, _ in tagged], [k for _, k in tagged]
         split_layout([v.shape for v in views], cfg)  # a rank the matrices cannot hold fails here, not after the rendezvous
         rank = torch.distributed.get_rank()
         store = connect_store(cfg, host_store=(cfg.cluster_id == 0 and rank == 0)) if cfg.num_clusters > 1 else None
@@ -94,6 +99,17 @@ class DiLoCoXOptimizer:
             self._refresh_model_params()
         log.info("DiLoCoX on: cluster %d of %d, %d tensors (%d low-rank groups) on this rank, H=%d, overlap=%s",
                  cfg.cluster_id, cfg.num_clusters, len(views), len(self.sync.codec.groups), cfg.h, cfg.overlap)
+        log.info("DiLoCoX layout %s", json.dumps(self.layout(rank)))
+
+    def layout(self, rank: int) -> dict:
+        """What this rank syncs (elements by kind, low-rank groups, elements sent whole) and the codec's
+        closed-form bytes per round: tests compare these with parameter counts and the bytes really sent."""
+        codec = self.sync.codec
+        numel = {kind: sum(v.numel() for v, k in zip(self.sync.params, self.view_kinds) if k == kind)
+                 for kind in ("dense", "expert", "router")}
+        return {"rank": rank, "numel": numel, "lowrank_groups": [[g.rows, g.cols, len(g.members)] for g in codec.groups],
+                "whole_numel": sum(codec.numels[i] for i in codec.whole), "lowrank_rank": codec.rank,
+                "round_bytes": codec.round_bytes(codec.rank, self.cfg.num_clusters)}
 
     # ------------------------------------------------------------------------------------ training
     def step(self):
@@ -116,10 +132,9 @@ class DiLoCoXOptimizer:
         ``broadcast=False`` every rank already holds them). ``force_gather``: all-gather the distributed
         optimizer's params even with --overlap-param-gather (evaluation runs with the pre-hooks off)."""
         if broadcast and self._dp_owner is not None:
-            from megatron.core import mpu
-            group = mpu.get_data_parallel_group()
-            for view, owner in zip(self._all_views, self._dp_owner):
-                torch.distributed.broadcast(view, torch.distributed.get_global_rank(group, owner), group=group)
+            for view, (group, owner) in zip(self._all_views, self._dp_owner):
+                torch.distributed.broadcast(view, owner, group=group)
+        chunks = []  # every leaf first copies main -> model; then each model chunk gathers once
         for leaf in self.leaves:
             if getattr(leaf, "is_stub_optimizer", False):
                 continue
@@ -127,8 +142,9 @@ class DiLoCoXOptimizer:
             if distributed or hasattr(leaf, "fp32_from_float16_groups"):  # main params are copies: copy back
                 leaf._copy_main_params_to_model_params()
             if distributed and (force_gather or not leaf.ddp_config.overlap_param_gather):
-                for chunk in leaf.model_chunks:
-                    chunk.start_param_sync(force_sync=True)
+                chunks += [c for c in leaf.model_chunks if not any(c is d for d in chunks)]
+        for chunk in chunks:  # dense and expert buffers alike (DDP's bucket groups of both)
+            chunk.start_param_sync(force_sync=True)
 
     @contextlib.contextmanager
     def global_model(self):
@@ -204,6 +220,22 @@ class DiLoCoXOptimizer:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def _deal_over_replicas(kinds: list[str]) -> list[tuple]:
+    """(group, owner's global rank) per view when every DP rank holds a full replica: dense (and router) views
+    are dealt round-robin over the data-parallel group, expert views over the expert-data-parallel group (the
+    ranks holding the same experts), so each replica group sends its views once and broadcasts them inside."""
+    from megatron.core import mpu
+    groups = {"dense": mpu.get_data_parallel_group(), "router": mpu.get_data_parallel_group(),
+              "expert": mpu.get_expert_data_parallel_group()}
+    seen = {"dense": 0, "expert": 0}
+    owners = []
+    for kind in kinds:
+        group, count = groups[kind], "expert" if kind == "expert" else "dense"
+        owners.append((group, torch.distributed.get_global_rank(group, seen[count] % group.size())))
+        seen[count] += 1
+    return owners
 
 
 NUMERIC_ROW_KEYS = ("H", "lowrank_rank", "quant_bits", "bytes_sent", "bytes_received", "bytes_dense_fp32",
