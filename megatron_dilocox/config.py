@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 OVERLAP_MODES = ("none", "one-step-delay", "eager")
+LOWRANK_BASES = ("local", "shared")
 QUANT_BITS = (4, 8, 16, 32)
 OUTER_STATE_DEVICES = ("cpu", "param")
 PEER_FAILURE_POLICIES = ("stop", "continue")
+COORDINATOR_MODES = ("embedded", "standalone")
 SECRET_ENV = "DILOCOX_SECRET"
 
 
@@ -37,7 +39,11 @@ class DiLoCoXConfig:
     # Topology: which cluster this process belongs to, and where the clusters meet.
     num_clusters: int = knob(1, "number of clusters training together")
     cluster_id: int = knob(0, "this cluster's id, 0..num_clusters-1 (cluster 0 hosts the rendezvous)")
-    rendezvous: Optional[str] = knob(None, "HOST:PORT of the rendezvous store on cluster 0's first node")
+    rendezvous: Optional[str] = knob(None, "HOST:PORT of the rendezvous store: cluster 0's first node (embedded) or the "
+                                           "standalone coordinator (then HOST:PORT,HOST2:PORT2 lists a standby)")
+    coordinator: str = knob("embedded", "embedded (cluster 0's first rank hosts the store and decides the rounds) or "
+                                        "standalone (python -m megatron_dilocox.coordinator at --dilocox-rendezvous "
+                                        "does; any cluster, cluster 0 included, may then be lost)")
     secret: Optional[str] = knob(None, "shared secret; from $DILOCOX_SECRET, never a flag", repr=False)
     timeout_seconds: float = knob(600.0, "rendezvous and inter-cluster collective timeout, seconds")
     on_peer_failure: str = knob("stop", "when a cluster is lost mid-run: stop (drop the round, checkpoint, exit "
@@ -75,6 +81,11 @@ class DiLoCoXConfig:
                                                  "--dilocox-min-compression)")
     min_compression: float = knob(100.0, "adaptive rank grows only while a round sends at most dense fp32 "
                                          "all-reduce bytes / this")
+    lowrank_basis: str = knob("shared", "local: each cluster sends its own best rank-r factors (subspace iteration, "
+                                        "all-gathered); shared: PowerSGD's one power iteration in a basis all "
+                                        "clusters share (README: convergence)")
+    lowrank_local_iters: int = knob(2, "block power iterations per round for --dilocox-lowrank-basis local "
+                                       "(local compute, no bytes)")
     lowrank_min_dim: int = knob(64, "matrices with min(rows, cols) below this are sent whole (quantized)")
     adaptive_rank: bool = knob(True, "adapt the rank to keep --dilocox-energy-threshold of the energy")
     energy_threshold: float = knob(0.9, "fraction of the pseudo-gradient energy adaptive rank keeps")
@@ -146,15 +157,22 @@ class DiLoCoXConfig:
         if self.num_clusters > 1:
             if not self.rendezvous:
                 fail("rendezvous", "is required with more than one cluster: give HOST:PORT of cluster 0")
-            host, sep, port = self.rendezvous.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                fail("rendezvous", f"must be HOST:PORT with a port in 1..65535, got {self.rendezvous!r}")
+            addresses = self.rendezvous.split(",")
+            for address in addresses:
+                host, sep, port = address.strip().rpartition(":")
+                if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                    fail("rendezvous", f"must be HOST:PORT with a port in 1..65535, got {self.rendezvous!r}")
+            if len(addresses) > 1 and self.coordinator != "standalone":
+                fail("rendezvous", f"lists {len(addresses)} addresses, but a standby address needs "
+                                   f"--dilocox-coordinator standalone (embedded: cluster 0's HOST:PORT only)")
             if not self.secret:
                 fail("secret", f"is required with more than one cluster: set ${SECRET_ENV} on every cluster")
         if not (isinstance(self.timeout_seconds, (int, float)) and math.isfinite(self.timeout_seconds)
                 and self.timeout_seconds > 0):
             fail("timeout_seconds", f"must be a positive number of seconds, got {self.timeout_seconds!r}")
 
+        if self.coordinator not in COORDINATOR_MODES:
+            fail("coordinator", f"must be one of {', '.join(COORDINATOR_MODES)}, got {self.coordinator!r}")
         if self.on_peer_failure not in PEER_FAILURE_POLICIES:
             fail("on_peer_failure", f"must be one of {', '.join(PEER_FAILURE_POLICIES)}, got {self.on_peer_failure!r}")
 
@@ -188,6 +206,9 @@ class DiLoCoXConfig:
         if not self.resolved_rank_min <= self.lowrank_rank <= self.resolved_rank_max:
             fail("lowrank_rank", f"must lie within [--dilocox-lowrank-rank-min, --dilocox-lowrank-rank-max] = "
                                  f"[{self.resolved_rank_min}, {self.resolved_rank_max}], got {self.lowrank_rank}")
+        if self.lowrank_basis not in LOWRANK_BASES:
+            fail("lowrank_basis", f"must be one of {', '.join(LOWRANK_BASES)}, got {self.lowrank_basis!r}")
+        need_int("lowrank_local_iters", 1)
         need_int("lowrank_min_dim", 2)
         if not (isinstance(self.min_compression, (int, float)) and math.isfinite(self.min_compression)
                 and self.min_compression >= 1):
@@ -203,6 +224,11 @@ class DiLoCoXConfig:
             fail("quant_block_size", f"must be even with 4-bit quantization, got {self.quant_block_size}")
         need_int("seed", 0)
         return self
+
+    @property
+    def addresses(self) -> list[str]:
+        """--dilocox-rendezvous as a list: the coordinator first, then any standby."""
+        return [a.strip() for a in (self.rendezvous or "").split(",") if a.strip()]
 
     @property
     def compresses(self) -> bool:

@@ -31,12 +31,15 @@ def assert_no_errors(res):
     assert not errors, errors
 
 
-def test_two_clusters_two_ranks_delay_mode_compressed(tmp_path):
-    """Identical global model on every cluster after each applied round; bytes equal the closed form."""
+@pytest.mark.parametrize("basis", ["local", "shared"])
+def test_two_clusters_two_ranks_delay_mode_compressed(tmp_path, basis):
+    """Identical global model on every cluster after each applied round; bytes equal the closed form (the
+    same for both low-rank bases: the local basis all-gathers the shared basis's factor shapes in one phase)."""
     C, rank, bits, block = 2, 4, 4, 32
     res = run(C, ranks=2, steps=12, metrics_dir=str(tmp_path),
               dilocox=spec(C, h=3, lowrank_rank=rank, lowrank_min_dim=8, quant_bits=bits, quant_block_size=block,
-                           adaptive_rank=False, outer_lr=0.7, outer_momentum=0.9))
+                           adaptive_rank=False, outer_lr=0.7, outer_momentum=0.9,
+                           lowrank_basis=basis))
     assert_no_errors(res)
     rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
     assert [r["round"] for r in rows0] == [1, 2, 3, 4] and len(rows1) == 4  # 3 delayed + the final flush

@@ -37,6 +37,8 @@ import torch
 from megatron_dilocox.compression import adaptive, lowrank
 from megatron_dilocox.compression.collective import (Collective, allgather_bytes, allreduce_bytes,
                                                      dense_allreduce_bytes)
+from megatron_dilocox.compression.local_basis import LocalBasisExchange
+from megatron_dilocox.compression.norms import EXACT_IN_FP32 as _EXACT_IN_FP32, finite as _finite, sumsq as _sumsq
 from megatron_dilocox.compression.quantize import bytes_as, dequantize, payload_bytes, quantize
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 
@@ -102,7 +104,7 @@ def split_layout(shapes: Sequence[torch.Size], config: DiLoCoXConfig) -> tuple[l
     return list(by_shape.values()), whole
 
 
-class PseudoGradientCodec:
+class PseudoGradientCodec(LocalBasisExchange):
     def __init__(self, shapes: Sequence[torch.Size], config: DiLoCoXConfig, device="cpu"):
         self.cfg = config
         self.shapes = [torch.Size(s) for s in shapes]
@@ -125,7 +127,7 @@ class PseudoGradientCodec:
     # ---------------------------------------------------------------------------------- layout
     def _layout_hash(self) -> int:
         text = repr((self.shapes, self.cfg.lowrank, self.cfg.lowrank_min_dim, self.cfg.quant_bits,
-                     self.cfg.quant_block_size))
+                     self.cfg.quant_block_size) + ((self.cfg.lowrank_basis,) if self.cfg.lowrank_basis != "shared" else ()))
         return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)  # 48 bits: exact in float64
 
     def payload_sizes(self, rank: Optional[int] = None) -> tuple[int, int]:
@@ -142,7 +144,7 @@ class PseudoGradientCodec:
     def round_bytes(self, rank: int, clusters: int) -> int:
         """Bytes this rank sends in one round at ``rank`` (closed form: header + both phases)."""
         p1, p2 = self.payload_sizes(rank)
-        if self.cfg.quant_bits == 32:
+        if self.cfg.quant_bits == 32 and not (self.groups and self.cfg.lowrank_basis == "local"):
             return allgather_bytes(HEADER_BYTES, clusters) + allreduce_bytes(p1, clusters) + allreduce_bytes(p2, clusters)
         return allgather_bytes(HEADER_BYTES + p1 + p2, clusters)
 
@@ -221,6 +223,11 @@ class PseudoGradientCodec:
             return finish(f"refused: non-finite pseudo-gradient from cluster(s) {bad}")
 
         G = len(self.groups)
+        if self.cfg.lowrank_basis == "local" and G:
+            refused, out, e_sq = self._exchange_local(M, m_sq, coll, result)
+            if refused:
+                return finish(refused)
+            return self._commit(M, out, e_sq, m_sq, result, finish)
         # factors travel column by column ([B, r, n]): a column's entries share a scale (its singular
         # value), so quantization blocks never mix a large column with a small one
         pieces1 = [torch.bmm(m, q).transpose(1, 2) for m, q in zip(M, self.q)]
@@ -255,7 +262,11 @@ class PseudoGradientCodec:
             out.append(sums1[G] / C)
             e_sq[G] = _sumsq(M[G].sub_(sent1[G]))  # e = M - what this cluster transmitted
 
-        self._spare, self._err, self._out = self._err, M, out[:G]
+        return self._commit(M, out, e_sq, m_sq, result, finish)
+
+    def _commit(self, M, out, e_sq, m_sq, result, finish) -> ExchangeResult:
+        """The round is applied: M now holds e, ``out`` holds Δ (slabs)."""
+        self._spare, self._err, self._out = self._err, M, out[:len(self.groups)]
         result.compression_rel_error = math.sqrt(sum(e_sq)) / max(math.sqrt(sum(m_sq)), 1e-30)
         result.deltas = self._views(out)
         return finish()
@@ -279,29 +290,35 @@ class PseudoGradientCodec:
         """Sum ``pieces`` (compressed) and ``raw`` (fp32 as is) over clusters.
 
         Returns (sums, what this cluster transmitted after its own quantization, raw sums)."""
-        bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
         flat = [p.reshape(-1).float() for p in pieces]
-        sizes = [f.numel() for f in flat] + [r.numel() for r in raw]
-        if bits == 32:
+        if self.cfg.quant_bits == 32:
             total = coll.all_reduce_sum(torch.cat(flat + [r.float() for r in raw]))
-            parts = list(torch.split(total, sizes))
+            parts = list(torch.split(total, [f.numel() for f in flat] + [r.numel() for r in raw]))
             sent = flat
         else:
-            payload = torch.cat([quantize(f, bits, block) for f in flat] + [r.float().view(torch.uint8) for r in raw])
-            nbytes = [payload_bytes(n, bits, block) for n in sizes[:len(flat)]] + [4 * r.numel() for r in raw]
             parts, sent = None, None
-            for c, buf in enumerate(coll.all_gather(payload)):
-                if buf.numel() != sum(nbytes):
-                    raise PayloadError(f"refused payload: cluster {coll.cluster_of(c)} sent {buf.numel()} bytes, expected {sum(nbytes)}")
-                chunks = torch.split(buf, nbytes)
-                decoded = [dequantize(ch, n, bits, block) for ch, n in zip(chunks[:len(flat)], sizes)]
-                decoded += [bytes_as(ch, torch.float32) for ch in chunks[len(flat):]]
+            for c, decoded in self._gathered(pieces, raw, coll):
                 parts = decoded if parts is None else [a + b for a, b in zip(parts, decoded)]
                 if c == coll.rank:
                     sent = decoded[:len(flat)]
         sums = [s.view(p.shape) for s, p in zip(parts[:len(flat)], pieces)]
         sent = [s.view(p.shape) for s, p in zip(sent, pieces)]
         return sums, sent, parts[len(flat):]
+
+    def _gathered(self, pieces, raw, coll: Collective):
+        """All-gather ``pieces`` (quantized at --dilocox-quant-bits) and ``raw`` (fp32); yield (cluster index,
+        its decoded flat pieces + raw) in cluster order, so that any sum over them is the same everywhere."""
+        bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
+        flat = [p.reshape(-1).float() for p in pieces]
+        sizes = [f.numel() for f in flat]
+        payload = torch.cat([quantize(f, bits, block) for f in flat] + [r.float().view(torch.uint8) for r in raw])
+        nbytes = [payload_bytes(n, bits, block) for n in sizes] + [4 * r.numel() for r in raw]
+        for c, buf in enumerate(coll.all_gather(payload)):
+            if buf.numel() != sum(nbytes):
+                raise PayloadError(f"refused payload: cluster {coll.cluster_of(c)} sent {buf.numel()} bytes, expected {sum(nbytes)}")
+            chunks = torch.split(buf, nbytes)
+            decoded = [dequantize(ch, n, bits, block) for ch, n in zip(chunks[:len(flat)], sizes)]
+            yield c, decoded + [bytes_as(ch, torch.float32) for ch in chunks[len(flat):]]
 
     # ---------------------------------------------------------------------------------- state
     @property
@@ -337,7 +354,6 @@ class PseudoGradientCodec:
         self.q = [q.to(self.device, torch.float32).clone() for q in state["q"]]
 
 
-_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # torch.add(x, fp32) promotes these exactly
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # private but stable (torch._inductor uses it)
 
 
@@ -353,23 +369,8 @@ def _unaliased(t: torch.Tensor) -> bool:
     return _LONE is not None and _storage_refs(t) == _LONE
 
 
-def _sumsq(t: torch.Tensor) -> float:
-    """Σ t² in float64, one read and no t-sized temporary: fp32 norms of 1024-value rows (a single flat fp32
-    reduction over 10^7 values loses ~0.3%), summed in float64. NaN/Inf anywhere make it non-finite."""
-    flat = (t if t.dtype in _EXACT_IN_FP32 else t.float()).reshape(-1)
-    n = flat.numel() - flat.numel() % 1024
-    rows = torch.linalg.vector_norm(flat[:n].view(-1, 1024), dim=1, dtype=torch.float32).double()
-    tail = torch.linalg.vector_norm(flat[n:], dtype=torch.float32).double()
-    return float(rows.square().sum() + tail.square())
-
-
 def _residual_sq(m_sq: float, p: torch.Tensor, qt_local: torch.Tensor, qt_sent: torch.Tensor) -> float:
     """||M - P^ S^T||² from the small factors, without reading M again (S^T = qt_sent, P^^T M = qt_local):
     ||M||² - 2 <P^^T M, S^T> + <P^^T P^, S^T S>, in float64. Accurate while ||e||² is not << ||M||²."""
     p, q, s = p.double(), qt_local.double(), qt_sent.double()
     return m_sq - 2 * float((q * s).sum()) + float(((p.mT @ p) * (s @ s.mT)).sum())
-
-
-def _finite(t: torch.Tensor) -> bool:
-    # exact: a finite Σ t² proves every value finite; only overflowed or non-finite sums check elementwise
-    return math.isfinite(_sumsq(t)) or bool(torch.isfinite(t).all())

@@ -46,3 +46,20 @@ def cumulative_energy(q_local: torch.Tensor) -> torch.Tensor:
     """[rank] cumulative energy of the top-k components of P^ Q^T (k = 1..rank), summed over the batch."""
     s = torch.linalg.svdvals(q_local.float())  # [batch, rank], descending
     return (s * s).sum(dim=0).cumsum(dim=0)
+
+
+def subspace_iteration(m: torch.Tensor, q: torch.Tensor, iters: int) -> torch.Tensor:
+    """Orthonormal P^ [batch, rows, r] spanning M's top-r left singular subspace, estimated by ``iters`` block
+    power iterations from Q [batch, cols, r] (a warm start: last round's right factors). Local compute only."""
+    for i in range(iters):
+        p = orthonormalize(torch.bmm(m, q))
+        if i + 1 < iters:
+            q = torch.bmm(m.transpose(1, 2), p)
+    return p
+
+
+def fit_right_factor(m: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Q'^T [batch, r, cols] minimising ||M - P Q'^T|| for a given (e.g. quantized, so not exactly orthonormal)
+    P: the least-squares solution (P^T P)^{-1} P^T M."""
+    gram = torch.bmm(p.transpose(1, 2), p)
+    return torch.linalg.solve(gram, torch.bmm(p.transpose(1, 2), m))
