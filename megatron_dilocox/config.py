@@ -81,10 +81,10 @@ class DiLoCoXConfig:
                                                  "--dilocox-min-compression)")
     min_compression: float = knob(100.0, "adaptive rank grows only while a round sends at most dense fp32 "
                                          "all-reduce bytes / this")
-    lowrank_basis: str = knob("shared", "local: each cluster sends its own best rank-r factors (subspace iteration, "
+    lowrank_basis: str = knob("local", "local: each cluster sends its own best rank-r factors (subspace iteration, "
                                         "all-gathered); shared: PowerSGD's one power iteration in a basis all "
                                         "clusters share (README: convergence)")
-    lowrank_local_iters: int = knob(2, "block power iterations per round for --dilocox-lowrank-basis local "
+    lowrank_local_iters: int = knob(4, "block power iterations per round for --dilocox-lowrank-basis local "
                                        "(local compute, no bytes)")
     lowrank_min_dim: int = knob(64, "matrices with min(rows, cols) below this are sent whole (quantized)")
     adaptive_rank: bool = knob(True, "adapt the rank to keep --dilocox-energy-threshold of the energy")

@@ -35,7 +35,8 @@ def rel_err(a, b):
 @pytest.mark.parametrize("decay", ["power", "geometric"])
 @pytest.mark.parametrize("rank", [4, 16, 64])
 def test_lowrank_error_against_svd_optimum(decay, rank):
-    """Cold start (one power iteration from the shared random Q) and warm start, vs Eckart-Young.
+    """The shared basis (PowerSGD): cold start (one power iteration from the shared random Q) and warm start,
+    vs Eckart-Young.
 
     Measured ratios to the optimum here: cold 1.2-3.4x (no oversampling, so a random start can miss
     part of the top subspace; worst for rank 64 on a geometric spectrum), 1.03-1.10x after one
@@ -44,7 +45,7 @@ def test_lowrank_error_against_svd_optimum(decay, rank):
     i = torch.arange(1, m + 1, dtype=torch.float32)
     s = 1.0 / i if decay == "power" else 0.9 ** i
     M = known_spectrum(n, m, s)
-    codec = codec_for((n, m), rank)
+    codec = codec_for((n, m), rank, lowrank_basis="shared")
     ratios = []
     for t in range(1, 6):
         codec.error = [torch.zeros(n, m)]  # the same pseudo-gradient again: isolate the warm start

@@ -66,6 +66,9 @@ def test_rank_payload_equals_codec_payload_sizes_and_counted_bytes(bits, block, 
     assert p["q_numel"] == sum(q.numel() for q in codec.q)
     res = codec.exchange([torch.randn(s) for s in SHAPES], FakeCollective(C), round_idx=1)
     assert res.status == "applied"
+    assert res.bytes_sent == exchange_bytes(p["p1"], p["p2"], bits, C, gathered=True)  # local basis (default)
+    shared = PseudoGradientCodec([torch.Size(s) for s in SHAPES], replace(cfg, lowrank_basis="shared"))
+    res = shared.exchange([torch.randn(s) for s in SHAPES], FakeCollective(C), round_idx=1)
     assert res.bytes_sent == exchange_bytes(p["p1"], p["p2"], bits, C)
     assert res.bytes_dense_fp32 == dense_allreduce_bytes(p["numel"], C)
 

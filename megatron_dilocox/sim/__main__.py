@@ -27,7 +27,7 @@ HELP = {
     "link_gbps": "inter-cluster bandwidth per cluster, Gbit/s", "latency_ms": "one-way latency per ring hop, ms",
     "h": "inner steps per round", "rank": "low-rank rank", "bits": "quantization bits: 4, 8, 16, 32",
     "block": "values per quantization block", "min_dim": "matrices with min(rows, cols) below this go whole",
-    "lowrank": "low-rank compression", "overlap": "eager, one-step-delay or none",
+    "lowrank": "low-rank compression", "lowrank_basis": "local or shared (--dilocox-lowrank-basis)", "overlap": "eager, one-step-delay or none",
     "outer_momentum": "outer momentum (0: no momentum buffer)", "outer_state_device": "cpu or param",
     "allreduce_bits": "gradient bits of the AllReduce baseline: 32 (fp32) or 16 (bf16)",
 }
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=HELP[f.name])
         elif f.name == "overlap":
             ap.add_argument(flag, choices=["eager", "one-step-delay", "none"], default=f.default, help=HELP[f.name])
+        elif f.name == "lowrank_basis":
+            ap.add_argument(flag, choices=["local", "shared"], default=f.default, help=HELP[f.name])
         elif f.name == "outer_state_device":
             ap.add_argument(flag, choices=["cpu", "param"], default=f.default, help=HELP[f.name])
         else:

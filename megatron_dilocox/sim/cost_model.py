@@ -80,6 +80,7 @@ class Setup:
     block: int = 128
     min_dim: int = 64
     lowrank: bool = True
+    lowrank_basis: str = "local"  # or "shared" (PowerSGD: two payload phases, fp32 factors all-reduced)
     overlap: str = "eager"  # or "one-step-delay" (both overlapped) or "none"
     outer_momentum: float = 0.3  # the package's default under overlap (DiLoCoXConfig.resolved_outer_momentum)
     outer_state_device: str = "cpu"  # or "param"
@@ -179,9 +180,10 @@ def rank_payload(shapes: list[tuple], rank: int, bits: int, block: int, min_dim:
             "q_numel": sum(b * c * rank for (_, c), b in groups.items()), "rank_too_large": too_small}
 
 
-def exchange_bytes(p1: int, p2: int, bits: int, clusters: int) -> int:
-    """Bytes one rank sends in one round: header all-gather, then phase 1 and phase 2."""
-    coll = allreduce_bytes if bits == 32 else allgather_bytes
+def exchange_bytes(p1: int, p2: int, bits: int, clusters: int, gathered: bool = False) -> int:
+    """Bytes one rank sends in one round: header all-gather, then phase 1 and phase 2 (one all-gather of both
+    for the local low-rank basis: ``gathered``; fp32 payloads are otherwise all-reduced)."""
+    coll = allreduce_bytes if bits == 32 and not gathered else allgather_bytes
     return allgather_bytes(HEADER_BYTES, clusters) + coll(p1, clusters) + (coll(p2, clusters) if p2 else 0)
 
 
@@ -191,12 +193,13 @@ def round_bytes(s: Setup, views: Optional[list] = None) -> dict:
     phases = 2
     for mult, views in views if views is not None else rank_views(s):
         p = rank_payload(views, s.rank, s.bits, s.block, s.min_dim, s.lowrank)
-        total += mult * exchange_bytes(p["p1"], p["p2"], s.bits, s.clusters)
+        local = bool(p["groups"]) and s.lowrank_basis == "local"
+        total += mult * exchange_bytes(p["p1"], p["p2"], s.bits, s.clusters, gathered=local)
         dense += mult * allreduce_bytes(4 * p["numel"], s.clusters)
         owned += mult * p["numel"]
         max_numel, max_q = max(max_numel, p["numel"]), max(max_q, p["q_numel"])
         too_small += mult * p["rank_too_large"]
-        phases = max(phases, 3 if p["groups"] else 2)
+        phases = max(phases, 3 if p["groups"] and s.lowrank_basis != "local" else 2)
     return {"dilocox": total, "dense_fp32": dense, "owned_numel": owned, "max_rank_numel": max_numel,
             "max_rank_q_numel": max_q, "views_rank_too_large": too_small, "phases": phases}
 
@@ -221,7 +224,8 @@ def allreduce_step_seconds(grad_bytes: float, s: Setup) -> float:
 
 def dilocox_comm_seconds(s: Setup, rb: dict) -> float:
     """Transfer time of one round: all ranks' bytes over the shared link, plus one latency per ring hop."""
-    hops = (s.clusters - 1) * (rb["phases"] if s.bits != 32 else 1 + 2 * (rb["phases"] - 1))
+    gathered = s.bits != 32 or (s.lowrank and s.lowrank_basis == "local")
+    hops = (s.clusters - 1) * (rb["phases"] if gathered else 1 + 2 * (rb["phases"] - 1))
     return link_seconds(rb["dilocox"], s, hops)
 
 
