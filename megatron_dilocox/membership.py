@@ -51,7 +51,8 @@ class Heartbeat:
     also watches every cluster's counter, so silence is measured from a cluster's last beat."""
 
     def __init__(self, connect: Callable[[], TCPStore], cluster: int, period: float = 1.0,
-                 watch: Sequence[int] = ()):
+                 watch: Sequence[int] = (), reconnect: bool = False):
+        self._connect, self._reconnect = connect, reconnect  # reconnect: a standalone coordinator may restart
         self._store = PrefixStore("dilocox/m", connect())
         self._key, self._period = f"hb/{cluster}", period
         self._watch = list(watch)
@@ -72,8 +73,13 @@ class Heartbeat:
                     value = self._store.add(f"hb/{c}", 0)
                     if self._values.get(c) != value:
                         self._values[c], self.last_beat[c] = value, time.monotonic()
-            except Exception:  # the store's host is gone: the exchange thread will find out and stop
-                return
+            except Exception:  # the store's host is gone: the exchange thread will find out (and fail over)
+                if not self._reconnect:
+                    return
+                try:
+                    self._store = PrefixStore("dilocox/m", self._connect())
+                except Exception:
+                    pass
             self._stop.wait(self._period)
 
     def close(self):
@@ -98,10 +104,19 @@ class Membership:
         self._seen: dict[int, tuple[int, float]] = {}
         self.heartbeat: Optional[Heartbeat] = None  # set on the coordinator (it watches every cluster)
         self._retries = 0
+        self.embedded = True  # False: a standalone coordinator (coordinator.py) decides, no cluster does
+        # standalone: called when the coordinator is unreachable; reconnects (a restarted one or the
+        # standby) and returns the new store, or raises PeerLostError
+        self.reconnect: Optional[Callable[[], TCPStore]] = None
+        self.last: Optional[tuple[str, dict]] = None  # the last verdict this rank read: (key, verdict)
+        self.pending: Optional[tuple[str, str]] = None  # (key, outcome) voted and not yet decided
 
     @property
     def coordinator(self) -> bool:
-        return self.cluster == 0 and self.local_rank == 0
+        return self.embedded and self.cluster == 0 and self.local_rank == 0
+
+    def use_store(self, store: TCPStore):
+        self.meta = PrefixStore("dilocox/m", store)
 
     # ------------------------------------------------------------------------------------ per round
     def settle(self, round_idx: int, outcome: str, attempt_end: float) -> dict:
@@ -110,25 +125,46 @@ class Membership:
         # disagrees still votes on the same key (and is refused by the header check, not timed out)
         key = f"e{self.epoch}/x{self.seq}"
         self.seq += 1
-        try:
-            self.meta.set(f"{key}/vote/{self.cluster}/{self.local_rank}", outcome)
-            self.meta.add(f"{key}/votes/{self.cluster}", 1)
-            if self.coordinator:
-                self.meta.set(f"{key}/verdict", json.dumps(self._decide(key, attempt_end)))
-            self.meta.wait([f"{key}/verdict"], timedelta(seconds=3 * self.timeout))
-            verdict = json.loads(self.meta.get(f"{key}/verdict"))
-        except Exception as exc:
-            raise PeerLostError(f"lost the rendezvous host, cluster 0 (round {round_idx}): {exc}") from exc
+        self.pending = (key, outcome)
+        while True:
+            try:
+                verdict = self._vote(key, outcome, attempt_end)
+                break
+            except Exception as exc:
+                if self.reconnect is None:
+                    raise PeerLostError(f"lost the rendezvous host, cluster 0 (round {round_idx}): {exc}") from exc
+                self.use_store(self.reconnect())  # the same vote, to the restarted coordinator (or standby)
+        self.pending, self.last = None, (key, verdict)
         return verdict
+
+    def _vote(self, key: str, outcome: str, attempt_end: float) -> dict:
+        self.meta.set(f"{key}/vote/{self.cluster}/{self.local_rank}", outcome)
+        self.meta.add(f"{key}/votes/{self.cluster}", 1)
+        if self.coordinator:
+            self.meta.set(f"{key}/verdict", json.dumps(self._decide(key, attempt_end)))
+        self.meta.wait([f"{key}/verdict"], timedelta(seconds=3 * self.timeout))
+        return json.loads(self.meta.get(f"{key}/verdict"))
+
+    def report(self) -> dict:
+        """(Standalone) what a restarted coordinator rebuilds the run from: this rank's view."""
+        return {"epoch": self.epoch, "seq": self.seq, "members": self.members,
+                "last": list(self.last) if self.last else None, "pending": list(self.pending) if self.pending else None}
 
     def _decide(self, key: str, attempt_end: float) -> dict:
         deadline = attempt_end + self.timeout
-        while True:
-            counts = {c: self.meta.add(f"{key}/votes/{c}", 0) for c in self.members}
-            missing = [c for c in self.members if counts[c] < self.local_world]
-            if not missing or time.monotonic() > deadline or all(self._silent(c) for c in missing):
-                break
+        while (missing := self.missing(key, deadline)) is None:
             time.sleep(0.02)
+        return self.verdict(key, missing)
+
+    def missing(self, key: str, deadline: float) -> Optional[list[int]]:
+        """The members without a full set of votes once the verdict can be given; None: keep waiting."""
+        counts = {c: self.meta.add(f"{key}/votes/{c}", 0) for c in self.members}
+        missing = [c for c in self.members if counts[c] < self.local_world]
+        if not missing or time.monotonic() > deadline or all(self._silent(c) for c in missing):
+            return missing
+        return None
+
+    def verdict(self, key: str, missing: list[int]) -> dict:
         votes = [self.meta.get(f"{key}/vote/{c}/{r}").decode() for c in self.members if c not in missing
                  for r in range(self.local_world)]
         refused = [v for v in votes if v.startswith("refused:")]

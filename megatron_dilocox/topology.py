@@ -14,9 +14,9 @@ not encrypted: run the inter-cluster link over a VPN (README, threat model).
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
+import logging
 import secrets
 import time
 from datetime import timedelta
@@ -27,28 +27,31 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from megatron_dilocox.compression.collective import Collective
 from megatron_dilocox.config import DiLoCoXConfig
-from megatron_dilocox.membership import Heartbeat, Membership
+from megatron_dilocox.membership import Heartbeat, Membership, PeerLostError
+from megatron_dilocox.rendezvous import CONNECT_GRACE, RendezvousError, authenticate, find_coordinator, listening
+from megatron_dilocox.rendezvous import mac as _mac
 
-
-class RendezvousError(RuntimeError):
-    """The clusters could not form the inter-cluster group (refused, mismatched, or timed out)."""
-
-
-def _mac(secret: str, *parts) -> str:
-    msg = "|".join(str(p) for p in parts).encode()
-    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+log = logging.getLogger("megatron_dilocox")
+__all__ = ["InterClusterGroup", "RendezvousError", "connect_store"]
 
 
 def connect_store(cfg: DiLoCoXConfig, host_store: bool) -> TCPStore:
+    """The rendezvous store: hosted here (embedded, cluster 0's rank 0) or reached (the others, and every
+    rank with a standalone coordinator, where no cluster hosts anything)."""
+    if cfg.coordinator == "standalone":
+        return find_coordinator(cfg.addresses, min(cfg.timeout_seconds, CONNECT_GRACE), cfg.timeout_seconds)[1]
     host, _, port = cfg.rendezvous.rpartition(":")
     try:
         return TCPStore(host, int(port), is_master=host_store, wait_for_workers=False,
                         timeout=timedelta(seconds=cfg.timeout_seconds))
     except Exception as exc:  # the store's own message says little about what to check
         what = "host" if host_store else "reach"
+        hint = "that cluster 0 is up and its port is open"
+        if host_store and listening(cfg.rendezvous):
+            hint = ("that nothing else listens there: if it is a standalone coordinator, start every cluster with "
+                    "--dilocox-coordinator standalone (cluster 0 must not host a second store)")
         raise RendezvousError(f"DiLoCoX rendezvous: cannot {what} the store at {cfg.rendezvous} "
-                              f"(cluster {cfg.cluster_id}): {exc}. Check --dilocox-rendezvous and that cluster 0 "
-                              f"is up and its port is open") from exc
+                              f"(cluster {cfg.cluster_id}): {exc}. Check --dilocox-rendezvous and {hint}") from exc
 
 
 def _get(store, key: str, deadline: float, waiting_for: str) -> bytes:
@@ -88,22 +91,66 @@ class InterClusterGroup(Collective):
         self.base = PrefixStore(f"dilocox/lr{local_rank}", store)
         self.membership = Membership(store, cfg.cluster_id, local_rank, local_world, cfg.num_clusters,
                                      cfg.timeout_seconds, cfg.on_peer_failure, self._verify_join)
-        # a restarted cluster finds the run in progress (cluster 0 marks it once everyone has joined)
-        self.joining = cfg.cluster_id != 0 and self._run_in_progress()
-        self.session = self._authenticate(self.base)
-        self._check_fingerprints(self.base, self.session, fingerprint or {})
+        self.standalone = cfg.coordinator == "standalone"
+        self.local_world, self.fingerprint = local_world, fingerprint or {}
+        self.handover_src = 0  # the group rank that hands a joiner the state: the first member before it
+        if self.standalone:  # the coordinator says whether the run is in progress (then this cluster rejoins)
+            self.address = cfg.addresses[0] if len(cfg.addresses) == 1 else "--dilocox-rendezvous"
+            self.session, self.joining = authenticate(store, self.address, cfg, local_rank, local_world, None)
+            self.membership.embedded, self.membership.reconnect = False, self._failover
+        else:
+            if store.check(["dilocox/coord/challenge"]):
+                raise RendezvousError(f"DiLoCoX rendezvous: {cfg.rendezvous} is a standalone coordinator: start "
+                                      f"every cluster with --dilocox-coordinator standalone")
+            # a restarted cluster finds the run in progress (cluster 0 marks it once everyone has joined)
+            self.joining = cfg.cluster_id != 0 and self._run_in_progress()
+            self.session = self._authenticate(self.base)
+        self._check_fingerprints(self.base, self.session, self.fingerprint)
         self.admission: Optional[dict] = None
         if self.joining:
             self.admission = self.membership.wait_for_admission()
-        elif cfg.cluster_id == 0:  # signed: a forged mark would only send a real peer down the join path
-            self.base.set("running", _mac(cfg.secret, "running", self.session))
+            self.handover_src = self._sender(self.admission)
+        elif cfg.cluster_id == 0 and not self.standalone:  # signed: a forged mark would only send a real peer
+            self.base.set("running", _mac(cfg.secret, "running", self.session))  # down the join path
         coordinator = self.membership.coordinator
         self._heartbeat = Heartbeat(lambda: connect_store(cfg, host_store=False), cfg.cluster_id,
-                                    watch=range(cfg.num_clusters) if coordinator else ()) \
-            if local_rank == 0 else None
+                                    watch=range(cfg.num_clusters) if coordinator else (),
+                                    reconnect=self.standalone) if local_rank == 0 else None
         if coordinator:
             self.membership.heartbeat = self._heartbeat
         self._form()
+
+    @staticmethod
+    def _sender(verdict: dict) -> int:
+        """The group rank of the lowest member that was in the group before ``verdict`` admitted anyone
+        (cluster 0 unless it is itself the one rejoining)."""
+        old = [c for c in verdict["members"] if c not in verdict["admitted"]]
+        return verdict["members"].index(old[0])
+
+    def _failover(self) -> TCPStore:
+        """(Standalone) the coordinator is gone: find it again (restarted, or the standby) within the timeout,
+        prove the secret to it and send it this rank's view of the run; the caller repeats its vote."""
+        cfg, t0 = self.cfg, time.monotonic()
+        log.warning("DiLoCoX cluster %d: lost the coordinator; waiting up to %.0fs for it or a standby",
+                    cfg.cluster_id, cfg.timeout_seconds)
+        while True:
+            try:
+                address, store = find_coordinator(cfg.addresses, max(1.0, cfg.timeout_seconds - (time.monotonic() - t0)),
+                                                  cfg.timeout_seconds)
+                self.session, _ = authenticate(store, address, cfg, self.local_rank, self.local_world,
+                                               self.membership.report())
+                break
+            except Exception as exc:
+                if time.monotonic() - t0 > cfg.timeout_seconds or "refused" in str(exc) or "two coordinators" in str(exc):
+                    raise PeerLostError(f"lost the coordinator and none answered within {cfg.timeout_seconds:.0f}s "
+                                        f"({exc}); restart `python -m megatron_dilocox.coordinator --listen "
+                                        f"{cfg.addresses[0]}` and resume from the checkpoints") from exc
+                time.sleep(0.5)
+        log.warning("DiLoCoX cluster %d: coordinator at %s after %.1fs", cfg.cluster_id, address, time.monotonic() - t0)
+        self.base = PrefixStore(f"dilocox/lr{self.local_rank}", store)
+        self.base.set(f"fingerprint/{self.session}/{self.cluster}", json.dumps(self.fingerprint, sort_keys=True,
+                                                                                default=str))
+        return store
 
     def _run_in_progress(self) -> bool:
         if not self.base.check(["running", "challenge"]):
@@ -146,14 +193,35 @@ class InterClusterGroup(Collective):
 
     def reform(self, verdict: dict):
         self.membership.apply(verdict)
-        self._form()
+        if verdict["admitted"]:
+            self.handover_src = self._sender(verdict)
+        while True:
+            try:
+                return self._form()
+            except RendezvousError:
+                raise
+            except Exception:  # the store went away while the group formed: a restarted coordinator's
+                if not self.standalone or self._store_alive():  # store forms it under the new session
+                    raise
+                self.membership.use_store(self._failover())
 
-    def cluster_of(self, rank: int) -> int:
-        return self.membership.members[rank]
+    def _store_alive(self) -> bool:
+        try:
+            self.base.check(["challenge"])
+            return True
+        except Exception:
+            return False
 
     def close(self):
         if self._heartbeat is not None:
             self._heartbeat.close()
+        try:  # a standalone coordinator exits once every rank of every live cluster is done
+            self.membership.meta.add(f"done/{self.cluster}", 1)
+        except Exception:
+            pass
+
+    def cluster_of(self, rank: int) -> int:
+        return self.membership.members[rank]
 
     # ----------------------------------------------------------------------------- rendezvous
     def _authenticate(self, store) -> str:
@@ -208,9 +276,12 @@ class InterClusterGroup(Collective):
         def posted(peer):
             return json.loads(_get(store, f"fingerprint/{session}/{peer}", deadline,
                                    f"cluster {peer} did not post its settings (local rank {self.local_rank})"))
-        reference = posted(0)
+        peers = range(self.size)
+        if self.joining:  # compare with the clusters that posted (a lost one may never come back)
+            peers = [p for p in peers if store.check([f"fingerprint/{session}/{p}"])]
+        reference = posted(peers[0])
         problems = []
-        for peer in range(self.size):
+        for peer in peers:
             theirs = _flatten(posted(peer))
             diff = sorted(k for k in set(_flatten(reference)) | set(theirs) if _flatten(reference).get(k) != theirs.get(k))
             problems += [f"{k}: cluster 0 has {_flatten(reference).get(k)!r}, cluster {peer} has {theirs.get(k)!r}"

@@ -59,7 +59,11 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     Fault tests: ``die`` = {"slot", "step"} SIGKILLs that slot's processes before that step;
     ``as_cluster`` = {slot: cluster} starts a slot as another cluster's restart (after ``start_delay``)."""
     cluster = int(spec.get("as_cluster", {}).get(str(slot), slot))
+    if spec.get("start_after_kill", {}).get(str(slot)):  # a restart: only once the killed slot is gone
+        while not os.path.exists(spec["start_after_kill"][str(slot)]):
+            time.sleep(0.1)
     time.sleep(spec.get("start_delay", {}).get(str(slot), 0.0))
+    t_started = time.time()
     settings = dict(spec["dilocox"], **spec.get("dilocox_by_cluster", {}).get(str(cluster), {}))
     cfg = DiLoCoXConfig(cluster_id=cluster, **settings).validate()
     store = connect_store(cfg, host_store=(cluster == 0 and local_rank == 0))
@@ -76,7 +80,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     sync = DiLoCoXSync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics).start()
     out = {"rows": [], "anchors": [], "params": [], "losses": [], "step_times": [], "error": None,
            "cluster": cluster, "joined_midrun": sync.joined_midrun, "first_iteration": sync.iteration,
-           "start_broadcast": sync.start_broadcast,
+           "start_broadcast": sync.start_broadcast, "t_started": t_started, "t_synced": time.time(),
            "start_params": [p.detach().clone() for p in model.parameters()]}
     if spec.get("round_offset_cluster") == cluster:  # e.g. resumed from another round's checkpoint
         sync.round += 1
@@ -84,6 +88,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     try:
         for step in range(sync.iteration, spec["steps"]):
             if die.get("slot") == slot and die.get("step") == step:
+                if die.get("flag"):
+                    open(die["flag"], "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
             if spec.get("nan_at_step") is not None and cluster == spec.get("nan_cluster") \
                     and step == spec["nan_at_step"]:

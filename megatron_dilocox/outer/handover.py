@@ -5,7 +5,8 @@ momentum as they were *before* round t's Δ is applied, the committed Δ_t itsel
 round t, the rank and H in use, and the iteration at which round t was launched. The joiner takes all
 of it, starts its error feedback at zero and its θ at φ, and then applies Δ_t exactly when the members
 do (at once without overlap, at its next boundary with the one-step delay), so from that boundary on
-every cluster holds bitwise the same φ. Sent by broadcast from the group's first member (cluster 0)
+every cluster holds bitwise the same φ. Sent by broadcast from the group's first member that was
+there before the admission (cluster 0, or the lowest surviving id when cluster 0 is the one rejoining)
 over the new epoch's group: first a small fp64 header (sizes depend on the rank), then one fp32 buffer.
 """
 from __future__ import annotations
@@ -25,24 +26,25 @@ def _flat(tensors) -> torch.Tensor:
 
 def send(sync, result: ExchangeResult, iteration: int):
     """(Members) broadcast the state a joiner needs; called right after the group admitted it."""
-    buf = sync.outer.buf
+    buf, src = sync.outer.buf, getattr(sync.group, "handover_src", 0)
     values = [result.round, iteration, sync.h, sync.codec.rank, buf is not None, result.deltas is not None,
               result.next_rank, result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters]
-    sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=0)
+    sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=src)
     parts = list(sync.anchor) + (list(buf) if buf is not None else []) + list(sync.codec.q) + list(result.deltas or [])
-    sync.group.broadcast(_flat(parts), src=0)
+    sync.group.broadcast(_flat(parts), src=src)
 
 
 def receive(sync) -> ExchangeResult:
     """(Joiner) take the members' state; returns round t's committed result, to be applied as they do."""
-    head = dict(zip(_HEADER, sync.group.broadcast(torch.zeros(len(_HEADER), dtype=torch.float64), src=0).tolist()))
+    src = getattr(sync.group, "handover_src", 0)
+    head = dict(zip(_HEADER, sync.group.broadcast(torch.zeros(len(_HEADER), dtype=torch.float64), src=src).tolist()))
     codec = sync.codec
     rank = int(head["rank"])
     q_shapes = [(len(g.members), g.cols, rank) for g in codec.groups]
     numels = [p.numel() for p in sync.params]
     sizes = numels * (1 + int(head["has_momentum"])) + [b * c * r for b, c, r in q_shapes]
     sizes += numels if head["has_deltas"] else []
-    flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=0)
+    flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=src)
     pieces = iter(torch.split(flat, sizes))
     shapes = [p.shape for p in sync.params]
     sync.anchor = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]

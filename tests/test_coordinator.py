@@ -1,0 +1,151 @@
+"""The standalone coordinator (issue 13): real coordinator processes, real clusters, real gloo.
+
+Bad input is refused early, naming what to change: nobody listening, a coordinator whose secret differs,
+one that cannot prove the secret, two coordinators for one run, a cluster of another run's shape, an
+embedded cluster 0 pointed at a coordinator. Then the faults: cluster 0 SIGKILLed mid-round (the others go
+on, agree every round, and cluster 0 rejoins with the global state), in none and eager overlap.
+"""
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.local_launch import free_port, run_clusters
+from megatron_dilocox.rendezvous import PREFIX, RendezvousError, authenticate
+from megatron_dilocox.topology import InterClusterGroup, connect_store
+from tests.coord_util import CoordinatorProcess
+from tests.workers import train_worker
+
+SECRET = "coordinator-test-secret"
+TIMEOUT = 8.0
+
+
+def cfg(address, cluster=0, secret=SECRET, C=2, **kw):
+    base = dict(num_clusters=C, cluster_id=cluster, rendezvous=address, secret=secret, timeout_seconds=TIMEOUT,
+                coordinator="standalone")
+    base.update(kw)
+    return DiLoCoXConfig(**base).validate()
+
+
+def join(c: DiLoCoXConfig):
+    return InterClusterGroup(c, 0, connect_store(c, host_store=False))
+
+
+def spec(C, address, **dilocox):
+    base = dict(num_clusters=C, rendezvous=address, secret=SECRET, timeout_seconds=2 * TIMEOUT, adaptive_h=False,
+                h=4, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8, quant_block_size=64, coordinator="standalone",
+                on_peer_failure="continue")
+    base.update(dilocox)
+    return base
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_nobody_listening_is_refused_within_the_grace_naming_the_command():
+    address = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError) as e:
+        connect_store(cfg(address, timeout_seconds=4.0), host_store=True)  # standalone: never hosts
+    assert f"no coordinator listens at {address}" in str(e.value)
+    assert f"python -m megatron_dilocox.coordinator --listen {address}" in str(e.value)
+    assert time.monotonic() - t0 < 4.0 + 3.0
+
+
+def test_a_coordinator_with_another_secret_is_refused_on_both_sides(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    coord = CoordinatorProcess(address, "not-the-clusters-secret", str(tmp_path / "coord.log"), "--keep-running")
+    try:
+        with pytest.raises(RendezvousError) as e:
+            join(cfg(address))
+        assert f"refused by the coordinator at {address}: the secrets differ" in str(e.value)
+        assert "$DILOCOX_SECRET" in str(e.value)
+        assert "does not match this coordinator's secret" in coord.text()
+    finally:
+        coord.stop()
+
+
+def test_a_coordinator_that_cannot_prove_the_secret_is_refused():
+    """An impostor that says yes to everyone (it does not know the secret) cannot forge the coordinator's MAC."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store.set(f"{PREFIX}/challenge", "0" * 32)
+
+    def say_yes():
+        store.wait([f"{PREFIX}/req/1"], timedelta(seconds=30))
+        store.set(f"{PREFIX}/ans/1", json.dumps({"ok": True, "joining": False, "mac": "f" * 64}))
+    t = threading.Thread(target=say_yes, daemon=True)
+    t.start()
+    with pytest.raises(RendezvousError) as e:
+        join(cfg(f"127.0.0.1:{port}"))
+    assert "could not prove the shared secret" in str(e.value)
+    t.join(5)
+
+
+def test_two_coordinators_for_one_run_are_refused(tmp_path):
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    first = CoordinatorProcess(a, SECRET, str(tmp_path / "a.log"), "--keep-running")
+    second = CoordinatorProcess(b, SECRET, str(tmp_path / "b.log"), "--keep-running")
+    again = CoordinatorProcess(a, SECRET, str(tmp_path / "again.log"), wait=False)  # the same address twice
+    try:
+        with pytest.raises(RendezvousError) as e:
+            connect_store(cfg(f"{a},{b}"), host_store=False)
+        assert f"two coordinators answer for this run, at {a} and {b}: stop one" in str(e.value)
+        assert again.wait(60) == 2
+        assert f"{a} is taken by another coordinator (active): one run has one coordinator" in again.text()
+        # an embedded cluster 0 pointed at a coordinator cannot host a second store there
+        with pytest.raises(RendezvousError) as e:
+            connect_store(DiLoCoXConfig(num_clusters=2, rendezvous=a, secret=SECRET, timeout_seconds=3).validate(),
+                          host_store=True)
+        assert "start every cluster with --dilocox-coordinator standalone" in str(e.value)
+        # a cluster of another shape is refused, naming the setting (the first proof sets the run's shape)
+        store = connect_store(cfg(a), host_store=False)
+        assert authenticate(store, a, cfg(a), 0, 1, None)[1] is False  # proved; the run is forming
+        with pytest.raises(RendezvousError) as e:
+            authenticate(store, a, cfg(a, cluster=1, C=3), 0, 1, None)
+        assert "cluster 1 does not fit this run: num_clusters 3 (the run has 2)" in str(e.value)
+    finally:
+        for c in (first, second, again):
+            c.stop()
+
+
+# ------------------------------------------------------------------------------------------ faults
+@pytest.mark.parametrize("overlap", ["none", "eager"])
+def test_cluster_0_killed_mid_round_the_others_continue_and_it_rejoins(tmp_path, overlap):
+    address = f"127.0.0.1:{free_port()}"
+    coord = CoordinatorProcess(address, SECRET, str(tmp_path / "coord.log"))
+    try:
+        # slots 0..2 = clusters 0..2; cluster 0 is SIGKILLed before step 10 (mid round 3); slot 3 = cluster 0
+        # restarted 1 s after the kill (a new process, no state of its own)
+        res = run_clusters(train_worker, 4, 1, timeout=300, may_die=(0,), args=(dict(
+            steps=80, step_sleep=0.15, die={"slot": 0, "step": 10, "flag": str(tmp_path / "killed")},
+            as_cluster={"3": 0}, start_after_kill={"3": str(tmp_path / "killed")}, start_delay={"3": 1.0},
+            dilocox=spec(3, address, overlap=overlap)),))
+        assert coord.wait(60) == 0, coord.text()
+    finally:
+        coord.stop()
+    assert (0, 0) not in res
+    b, c, j = res[(1, 0)], res[(2, 0)], res[(3, 0)]
+    assert b["error"] is None and c["error"] is None and j["error"] is None, (b["error"], c["error"], j["error"])
+    # the survivors: every round exactly once, all applied, bitwise the same global model after each
+    assert [r["round"] for r in b["rows"]] == [r["round"] for r in c["rows"]] == list(range(1, 21))
+    assert all(r["status"] == "applied" for r in b["rows"] + c["rows"])
+    assert [r["global_model_hash"] for r in b["rows"]] == [r["global_model_hash"] for r in c["rows"]]
+    counts = [r["num_clusters"] for r in b["rows"]]
+    assert counts[0] == 3 and 2 in counts and counts[-1] == 3, counts
+    # cluster 0 came back as a joiner and holds the same model every round from then on
+    assert j["joined_midrun"] and j["cluster"] == 0 and j["first_iteration"] % 4 == 0 and j["first_iteration"] > 10
+    theirs = {r["round"]: r["global_model_hash"] for r in b["rows"]}
+    mine = {r["round"]: r["global_model_hash"] for r in j["rows"]}
+    assert mine and max(mine) == 20 and all(theirs[k] == v for k, v in mine.items()), (mine, theirs)
+    assert b["final_hash"] == c["final_hash"] == j["final_hash"]
+    assert all(torch.equal(x, y) for x, y in zip(b["final_anchor"], j["final_anchor"]))
+    lossy = next(r for r in b["rows"] if r["num_clusters"] == 2)
+    assert lossy["comm_seconds"] < 2 * TIMEOUT + 6, lossy["comm_seconds"]
+    rejoin = j["t_synced"] - j["t_started"]
+    print(f"FAULT kill cluster 0 (standalone coordinator, {overlap}): round {lossy['round']} settled by clusters 1, 2 "
+          f"after {lossy['comm_seconds']:.1f}s; cluster 0 rejoined {rejoin:.1f}s after its restart (iteration "
+          f"{j['first_iteration']}); {counts.count(2)} rounds with 2 clusters; hashes equal rounds {min(mine)}..20")
