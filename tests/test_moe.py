@@ -156,7 +156,7 @@ def test_sigkill_and_restart_resume_bitwise(reference, kjv, tmp_path):
 
 def test_clusters_with_a_different_expert_layout_are_refused(kjv, tmp_path):
     """Cluster 0: 4 experts over EP2; cluster 1: 2 experts, EP1. Both stop at the rendezvous naming both settings."""
-    megatron = tiny_gpt_flags(str(kjv), 4, "--moe-router-topk", "1", "--disable-bias-linear", layers=LAYERS, seq=64)
+    megatron = tiny_gpt_flags(str(kjv), 4, "--moe-router-topk", "2", layers=LAYERS, seq=64)
     codes, logs = run(2, 2, megatron, tiny_dilocox_flags(tmp_path, "--dilocox-timeout-seconds", "60"), env=ENV,
                       echo=False, timeout=300,
                       per_cluster_args={0: ["--num-experts", "4", "--expert-model-parallel-size", "2"],
