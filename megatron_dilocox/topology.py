@@ -93,6 +93,7 @@ class InterClusterGroup(Collective):
                                      cfg.timeout_seconds, cfg.on_peer_failure, self._verify_join)
         self.standalone = cfg.coordinator == "standalone"
         self.local_world, self.fingerprint = local_world, fingerprint or {}
+        self.failovers: list[tuple[float, float]] = []  # (noticed, reconnected) wall times, standalone
         self.handover_src = 0  # the group rank that hands a joiner the state: the first member before it
         if self.standalone:  # the coordinator says whether the run is in progress (then this cluster rejoins)
             self.address = cfg.addresses[0] if len(cfg.addresses) == 1 else "--dilocox-rendezvous"
@@ -130,7 +131,7 @@ class InterClusterGroup(Collective):
     def _failover(self) -> TCPStore:
         """(Standalone) the coordinator is gone: find it again (restarted, or the standby) within the timeout,
         prove the secret to it and send it this rank's view of the run; the caller repeats its vote."""
-        cfg, t0 = self.cfg, time.monotonic()
+        cfg, t0, wall0 = self.cfg, time.monotonic(), time.time()
         log.warning("DiLoCoX cluster %d: lost the coordinator; waiting up to %.0fs for it or a standby",
                     cfg.cluster_id, cfg.timeout_seconds)
         while True:
@@ -147,6 +148,7 @@ class InterClusterGroup(Collective):
                                         f"{cfg.addresses[0]}` and resume from the checkpoints") from exc
                 time.sleep(0.5)
         log.warning("DiLoCoX cluster %d: coordinator at %s after %.1fs", cfg.cluster_id, address, time.monotonic() - t0)
+        self.failovers.append((wall0, time.time()))
         self.base = PrefixStore(f"dilocox/lr{self.local_rank}", store)
         self.base.set(f"fingerprint/{self.session}/{self.cluster}", json.dumps(self.fingerprint, sort_keys=True,
                                                                                 default=str))

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.local_launch import free_port, run_clusters
@@ -149,3 +149,78 @@ def test_cluster_0_killed_mid_round_the_others_continue_and_it_rejoins(tmp_path,
     print(f"FAULT kill cluster 0 (standalone coordinator, {overlap}): round {lossy['round']} settled by clusters 1, 2 "
           f"after {lossy['comm_seconds']:.1f}s; cluster 0 rejoined {rejoin:.1f}s after its restart (iteration "
           f"{j['first_iteration']}); {counts.count(2)} rounds with 2 clusters; hashes equal rounds {min(mine)}..20")
+
+
+@pytest.mark.parametrize("overlap,how", [("none", "restart"), ("eager", "standby")])
+def test_the_coordinator_killed_and_replaced_training_goes_on_no_round_twice_or_lost(tmp_path, overlap, how):
+    """SIGKILL the coordinator after its 4th verdict; restart it at the same address 1 s later, or let the
+    clusters wake a standby listed second. The clusters rebuild its state from their own views."""
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    coords = [CoordinatorProcess(a, SECRET, str(tmp_path / "a.log"))]
+    if how == "standby":
+        coords.append(CoordinatorProcess(b, SECRET, str(tmp_path / "b.log"), "--standby"))
+    killed = {}
+
+    def chaos():
+        deadline = time.monotonic() + 240
+        while coords[0].text().count(" -> commit") < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        coords[0].kill()
+        killed["at"] = time.time()
+        if how == "restart":
+            time.sleep(1.0)
+            coords.append(CoordinatorProcess(a, SECRET, str(tmp_path / "a2.log")))
+    t = threading.Thread(target=chaos, daemon=True)
+    t.start()
+    try:
+        res = run_clusters(train_worker, 2, 1, timeout=300, args=(dict(
+            steps=60, step_sleep=0.15, dilocox=spec(2, f"{a},{b}" if how == "standby" else a, overlap=overlap)),))
+        t.join(10)
+        assert coords[-1].wait(60) == 0, coords[-1].text()
+    finally:
+        for c in coords:
+            c.stop()
+    x, y = res[(0, 0)], res[(1, 0)]
+    assert x["error"] is None and y["error"] is None, (x["error"], y["error"])
+    assert "at" in killed
+    # every round exactly once, applied by both clusters, bitwise the same global model after each
+    assert [r["round"] for r in x["rows"]] == [r["round"] for r in y["rows"]] == list(range(1, 16))
+    assert all(r["status"] == "applied" and r["num_clusters"] == 2 for r in x["rows"] + y["rows"])
+    assert [r["global_model_hash"] for r in x["rows"]] == [r["global_model_hash"] for r in y["rows"]]
+    assert x["final_hash"] == y["final_hash"]
+    # both clusters lost it and found the new one
+    assert x["failovers"] and y["failovers"], (x["failovers"], y["failovers"])
+    replaced = coords[-1].text()
+    assert "rebuilding its state from the clusters" in replaced and "published again" in replaced
+    detect = max(f[0] for f in x["failovers"][:1] + y["failovers"][:1]) - killed["at"]
+    back = max(f[1] for f in x["failovers"][:1] + y["failovers"][:1]) - killed["at"]
+    assert back < 2 * TIMEOUT, back
+    print(f"FAULT kill the coordinator ({how}, {overlap}): clusters noticed {detect:.1f}s after the kill, back "
+          f"with the {'restarted' if how == 'restart' else 'standby'} coordinator {back:.1f}s after it; "
+          f"rounds 1..15 each applied once, hashes equal")
+
+
+def test_a_restarted_coordinator_republishes_the_verdict_one_cluster_missed(tmp_path):
+    """The coordinator died after publishing e0/x3's commit: cluster 0 read it, cluster 1 did not. The restarted
+    one must give cluster 1 that same commit (not decide the round again) and go on at e0/x4."""
+    address = f"127.0.0.1:{free_port()}"
+    coord = CoordinatorProcess(address, SECRET, str(tmp_path / "coord.log"), "--keep-running")
+    try:
+        commit = {"action": "commit", "members": [0, 1], "epoch": 0, "lost": [], "admitted": [], "reason": ""}
+        views = {0: {"epoch": 0, "seq": 4, "members": [0, 1], "last": ["e0/x3", commit], "pending": None},
+                 1: {"epoch": 0, "seq": 4, "members": [0, 1], "last": ["e0/x2", commit], "pending": ["e0/x3", "ok"]}}
+        store = connect_store(cfg(address), host_store=False)
+        for c in (1, 0):
+            assert authenticate(store, address, cfg(address, cluster=c), 0, 1, views[c])[1] is False
+        meta = PrefixStore("dilocox/m", store)
+        meta.wait(["e0/x3/verdict"], timedelta(seconds=30))
+        assert json.loads(meta.get("e0/x3/verdict")) == commit
+        for c in (0, 1):  # the next attempt is decided normally, at e0/x4
+            meta.set(f"e0/x4/vote/{c}/0", "ok")
+            meta.add(f"e0/x4/votes/{c}", 1)
+        meta.wait(["e0/x4/verdict"], timedelta(seconds=30))
+        assert json.loads(meta.get("e0/x4/verdict"))["action"] == "commit"
+        assert not meta.check(["e0/x5/verdict"])
+        assert "newest verdict e0/x3 (commit) published again" in coord.text()
+    finally:
+        coord.stop()

@@ -121,6 +121,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     finally:
         out["rows"] = sync.rows
         out["exchange_spans"] = sync.exchange_spans
+        out["failovers"] = list(getattr(group, "failovers", []))  # (lost, back) wall times, standalone
         sync.close()
     return out
 
