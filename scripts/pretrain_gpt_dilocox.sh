@@ -18,6 +18,12 @@
 #     DILOCOX_SECRET=...             (the same value at every site; export it, never pass it as a flag)
 #   All the job's nodes form one torchrun world (cluster k).
 #
+# Either mode with a standalone coordinator (DILOCOX_COORDINATOR=standalone): start
+#     DILOCOX_SECRET=... python -m megatron_dilocox.coordinator --listen HOST:PORT
+#   on a host every cluster reaches (login node, small VM, its own SLURM job) and set
+#   DILOCOX_RENDEZVOUS=HOST:PORT (or HOST:PORT,HOST2:PORT2 with a --standby second) and DILOCOX_SECRET for
+#   every job. No cluster hosts anything then, and any cluster (cluster 0 included) may be lost.
+#
 # Both modes: GPUs, partition, nodes, time come from the #SBATCH defaults below and are overridden on the
 # sbatch command line (sbatch -p gpu --gpus-per-node=4 -N 16 ...). On a node without a GPU the script
 # runs on CPU (gloo, plus the flags megatron_dilocox.glue.cpu_backend.CPU_FLAGS); with GPUs it starts one
@@ -47,6 +53,7 @@ PP=${PP:-1}                                    # pipeline parallel size, the sam
 DILOCOX_H=${DILOCOX_H:-125}                    # inner steps per outer round
 DILOCOX_NUM_CLUSTERS=${DILOCOX_NUM_CLUSTERS:-2}
 DILOCOX_MODE=${DILOCOX_MODE:-single}           # single (one allocation, C blocks) or multi-job
+DILOCOX_COORDINATOR=${DILOCOX_COORDINATOR:-embedded}  # embedded (cluster 0 hosts the rendezvous) or standalone
 # -------------------------------------------------------------------------------------------
 
 PROG=pretrain_gpt_dilocox.sh
@@ -59,6 +66,18 @@ case "$DILOCOX_MODE" in
   multi-job) ;;
   *) die "DILOCOX_MODE must be 'single' (one allocation split into clusters) or 'multi-job', got '$DILOCOX_MODE'" ;;
 esac
+case "$DILOCOX_COORDINATOR" in
+  embedded|standalone) ;;
+  *) die "DILOCOX_COORDINATOR must be 'embedded' (cluster 0 hosts the rendezvous) or 'standalone'" \
+         "(python -m megatron_dilocox.coordinator), got '$DILOCOX_COORDINATOR'" ;;
+esac
+if [ "$DILOCOX_COORDINATOR" = standalone ]; then
+  [[ "${DILOCOX_RENDEZVOUS:-}" =~ ^[^:,]+:[0-9]+(,[^:,]+:[0-9]+)*$ ]] \
+    || die "DILOCOX_COORDINATOR=standalone: set DILOCOX_RENDEZVOUS=HOST:PORT of" \
+           "'python -m megatron_dilocox.coordinator --listen HOST:PORT' (got '${DILOCOX_RENDEZVOUS:-}')"
+  [ -n "${DILOCOX_SECRET:-}" ] || die "DILOCOX_COORDINATOR=standalone: export DILOCOX_SECRET (the coordinator's" \
+    "and every cluster's shared secret; environment only)"
+fi
 C=$DILOCOX_NUM_CLUSTERS
 if ! is_int "$C" || [ "$C" -lt 1 ]; then
   die "DILOCOX_NUM_CLUSTERS must be an integer >= 1, got '$C'"
@@ -86,7 +105,7 @@ else
   if [ "$C" -gt 1 ]; then
     [ -n "${DILOCOX_RENDEZVOUS:-}" ] || die "multi-job mode: set DILOCOX_RENDEZVOUS=HOST:PORT, the address of" \
       "cluster 0's first node (the same value at every site)"
-    [[ "$DILOCOX_RENDEZVOUS" =~ ^[^:]+:[0-9]+$ ]] \
+    [[ "$DILOCOX_RENDEZVOUS" =~ ^[^:]+:[0-9]+$ ]] || [ "$DILOCOX_COORDINATOR" = standalone ] \
       || die "multi-job mode: DILOCOX_RENDEZVOUS must be HOST:PORT, got '$DILOCOX_RENDEZVOUS'"
     [ -n "${DILOCOX_SECRET:-}" ] || die "multi-job mode: export DILOCOX_SECRET (the same shared secret at every" \
       "site; environment only, never a command-line flag)"
@@ -147,7 +166,7 @@ mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 [ "${#NODES[@]}" -eq "$NNODES" ] || die "scontrol show hostnames gave ${#NODES[@]} nodes for '$SLURM_JOB_NODELIST', expected $NNODES"
 # rendezvous = base, cluster block b = base + 1 + b; different jobs sharing a host get different ports
 PORT_BASE=${DILOCOX_PORT_BASE:-$((15000 + (SLURM_JOB_ID * (C + 1)) % 45000))}
-if [ "$DILOCOX_MODE" = single ]; then
+if [ "$DILOCOX_MODE" = single ] && [ "$DILOCOX_COORDINATOR" = embedded ]; then
   DILOCOX_RENDEZVOUS=${NODES[0]}:$PORT_BASE
   if [ -z "${DILOCOX_SECRET:-}" ]; then
     DILOCOX_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
@@ -209,6 +228,7 @@ DILOCOX_ARGS=(
   --dilocox-metrics-file "$LOG_DIR/dilocox_metrics_c{cluster}.jsonl"
 )
 [ "$C" -eq 1 ] || DILOCOX_ARGS+=(--dilocox-rendezvous "$DILOCOX_RENDEZVOUS")
+[ "$C" -eq 1 ] || [ "$DILOCOX_COORDINATOR" = embedded ] || DILOCOX_ARGS+=(--dilocox-coordinator standalone)
 # (--dilocox-cluster-id is added per node below)
 
 # ------------------------------------------------------------------------------ launch
@@ -242,7 +262,8 @@ echo "[dilocox-launch] job ${SLURM_JOB_ID}: mode $DILOCOX_MODE, $C cluster(s) in
      "$NODES_PER_CLUSTER node(s) x $NPROC proc each ($([ "$NGPUS" -gt 0 ] && echo "$NGPUS GPU/node" || echo CPU, gloo))," \
      "rendezvous ${DILOCOX_RENDEZVOUS:-none}, nodes ${NODES[*]}"
 
-if [ "$DILOCOX_MODE" = multi-job ] && [ "$CLUSTER_BASE" -eq 0 ] && [ "$C" -gt 1 ]; then
+if [ "$DILOCOX_MODE" = multi-job ] && [ "$CLUSTER_BASE" -eq 0 ] && [ "$C" -gt 1 ] \
+    && [ "$DILOCOX_COORDINATOR" = embedded ]; then
   echo "[dilocox-launch] cluster 0 hosts the rendezvous store on ${NODES[0]}, port ${DILOCOX_RENDEZVOUS##*:}:" \
        "DILOCOX_RENDEZVOUS=$DILOCOX_RENDEZVOUS must reach that node from every site"
 fi

@@ -268,6 +268,11 @@ def fake_data(tmp_path):
     ({"DILOCOX_MODE": "multi-job", "DILOCOX_CLUSTER_ID": "0", "DILOCOX_RENDEZVOUS": "site0", "DILOCOX_SECRET": "x"},
      "DILOCOX_RENDEZVOUS must be HOST:PORT, got 'site0'"),
     ({"DILOCOX_MODE": "both"}, "DILOCOX_MODE must be 'single'"),
+    ({"DILOCOX_COORDINATOR": "lighthouse"}, "DILOCOX_COORDINATOR must be 'embedded' (cluster 0 hosts the rendezvous)"),
+    ({"DILOCOX_COORDINATOR": "standalone", "DILOCOX_SECRET": "s3cret-value"},
+     "DILOCOX_COORDINATOR=standalone: set DILOCOX_RENDEZVOUS=HOST:PORT of 'python -m megatron_dilocox.coordinator"),
+    ({"DILOCOX_COORDINATOR": "standalone", "DILOCOX_RENDEZVOUS": "login1:29400"},
+     "DILOCOX_COORDINATOR=standalone: export DILOCOX_SECRET"),
     ({"SLURM_JOB_NUM_NODES": ""}, "not inside a SLURM job"),
 ])
 def test_early_errors(fake_data, env, message):
@@ -293,7 +298,8 @@ def test_missing_data_names_the_file_and_the_variable(fake_data, tmp_path):
     assert r.returncode == 2 and "validation data not found" in r.stderr and "set VALID_DATA_PREFIX" in r.stderr
 
 
-def test_gpu_nodes_one_process_per_gpu_no_cpu_flags(fake_data, tmp_path):
+@pytest.mark.parametrize("coordinator", ["embedded", "standalone"])
+def test_gpu_nodes_one_process_per_gpu_no_cpu_flags(fake_data, tmp_path, coordinator):
     """The launch the script builds, with stand-ins for nvidia-smi, scontrol and srun (srun prints what
     it was given): one cluster block per node pair, nproc = the GPUs Slurm gave the job, bf16, no CPU
     flags, the rendezvous on the first node, and the secret only in the environment."""
@@ -312,6 +318,8 @@ def test_gpu_nodes_one_process_per_gpu_no_cpu_flags(fake_data, tmp_path):
            "SLURM_JOB_NODELIST": "n[001-004]", "SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "96",
            "CUDA_VISIBLE_DEVICES": "0,1,2,3", "DILOCOX_SECRET": secret, "LOG_DIR": str(tmp_path / "logs"),
            "SRUN_ARGS_OUT": str(tmp_path / "srun_args"), "SRUN_ENV_OUT": str(tmp_path / "srun_env")}
+    if coordinator == "standalone":  # python -m megatron_dilocox.coordinator on a login node, a standby second
+        env.update(DILOCOX_COORDINATOR="standalone", DILOCOX_RENDEZVOUS="login1:29400,login2:29400")
     r = run_script(env, "--train-iters", "5")
     assert r.returncode == 0, r.stderr
     args = (tmp_path / "srun_args").read_text().splitlines()
@@ -322,7 +330,12 @@ def test_gpu_nodes_one_process_per_gpu_no_cpu_flags(fake_data, tmp_path):
     megatron = args[9:]
     assert "--bf16" in megatron and "gloo" not in megatron and "--transformer-impl" not in megatron
     port = 15000 + (77 * 3) % 45000
-    assert megatron[megatron.index("--dilocox-rendezvous") + 1] == f"n001:{port}"
+    if coordinator == "standalone":
+        assert megatron[megatron.index("--dilocox-rendezvous") + 1] == "login1:29400,login2:29400"
+        assert megatron[megatron.index("--dilocox-coordinator") + 1] == "standalone"
+    else:
+        assert megatron[megatron.index("--dilocox-rendezvous") + 1] == f"n001:{port}"
+        assert "--dilocox-coordinator" not in megatron
     assert megatron[megatron.index("--dilocox-num-clusters") + 1] == "2"
     assert megatron[-2:] == ["--train-iters", "5"]  # the user's flags come last
     assert srun_env["DX_NPROC"] == "4" and srun_env["DX_NODES_PER_CLUSTER"] == "2"
