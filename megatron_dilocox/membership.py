@@ -15,8 +15,11 @@ the store — publishes one verdict for all:
 
 A member is lost when its votes are missing and its heartbeat (a counter each cluster's local rank 0
 bumps every second) has not moved for ``min(timeout / 2, 30 s)``, or at the latest ``--dilocox-timeout``
-after the coordinator's own attempt ended. Losing the coordinator (cluster 0, the store's host) is not
-survivable: every other cluster stops, naming it.
+after the coordinator's own attempt ended. Losing an embedded coordinator (cluster 0, the store's host) is
+not survivable: every other cluster stops, naming it. A standalone coordinator (``coordinator.py``) gives
+the same verdicts from its own process; when it is lost, ``reconnect`` finds it again (restarted, or the
+standby), each rank sends ``report()`` and repeats its pending vote, and the new one publishes the newest
+verdict any rank read once more, so every rank applies the same verdicts in the same order.
 
 Joining mid-run (policy continue): a restarted cluster finds the run in progress, authenticates by the
 same challenge-response (the coordinator checks its proof at the next verdict), posts that all of its

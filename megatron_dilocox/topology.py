@@ -3,7 +3,9 @@
 Each cluster is its own torch.distributed world (its own torchrun / MASTER_ADDR); Megatron's groups
 never leave it. Between clusters, local rank k of every cluster joins a gloo group of size C (its
 rank = cluster id) built on a separate rendezvous store at ``--dilocox-rendezvous HOST:PORT``, which
-cluster 0's local rank 0 hosts. Keys are prefixed by local rank so the per-rank groups never mix.
+cluster 0's local rank 0 hosts (embedded) or a standalone coordinator does (``coordinator.py``; then the
+proofs below are ``rendezvous.py``'s, made to the coordinator). Keys are prefixed by local rank so the
+per-rank groups never mix.
 
 Joining is authenticated by challenge-response on the shared secret (HMAC-SHA256; the secret itself is
 never sent): cluster 0 posts a nonce, each peer answers with HMAC(secret, nonce, cluster, peer-nonce)
