@@ -1,0 +1,182 @@
+"""One-command validation of DiLoCoX on real Megatron: a dense and an MoE GPT, 2 clusters as 2 processes.
+
+GPU form (default): both clusters share GPU 0, Transformer Engine, bf16, TE grouped-GEMM experts
+(``--moe-grouped-gemm``); about 5 minutes on one GPU. ``--cpu``: the same runs on CPU with the local
+implementation (SequentialMLP experts), a smaller model and fewer iterations; CI runs it
+(``tests/test_validate.py``). Both print, per configuration: losses, the global-model hash of every round
+on every cluster, bytes sent against the codec's closed form and dense fp32, exposed communication, and
+peak GPU memory next to Megatron's own estimate and the planner's DiLoCoX-state figure. The last line is
+``VALIDATE {json}``; the exit status is 1 on any disagreement (hashes, bytes, rounds, loss not falling).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from megatron_dilocox.glue.cpu_backend import CPU_FLAGS  # noqa: E402  (imports no megatron)
+from megatron_dilocox.launch import run  # noqa: E402
+from megatron_dilocox.metrics import read_rows  # noqa: E402
+from megatron_dilocox.sim import cost_model  # noqa: E402
+
+SIZES = {  # (hidden, layers, heads, seq, iters, H, micro batch, global batch)
+    "gpu": dict(hidden=512, layers=8, heads=8, seq=512, iters=60, h=10, mbs=4, gbs=32),
+    "cpu": dict(hidden=64, layers=2, heads=4, seq=64, iters=8, h=4, mbs=2, gbs=8),
+}
+RANK, BITS, BLOCK, MIN_DIM, VOCAB, EXPERTS = 4, 4, 64, 32, 4096, 4
+MEMORY_RE = re.compile(r"memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)")
+THEORY_RE = re.compile(r"Theoretical memory footprints: weight and optimizer=([\d.]+) MB")
+
+
+def megatron_flags(data: str, size: dict, gpu: bool, config: str) -> list[str]:
+    s = size
+    flags = ["--num-layers", str(s["layers"]), "--hidden-size", str(s["hidden"]), "--num-attention-heads",
+             str(s["heads"]), "--seq-length", str(s["seq"]), "--max-position-embeddings", str(s["seq"]),
+             "--position-embedding-type", "rope", "--micro-batch-size", str(s["mbs"]),
+             "--global-batch-size", str(s["gbs"]), "--train-iters", str(s["iters"]), "--lr", "3e-3",
+             "--lr-decay-style", "constant", "--log-interval", "1", "--eval-interval", str(s["iters"]),
+             "--eval-iters", "2", "--num-workers", "0", "--seed", "1234", "--bf16", "--use-distributed-optimizer",
+             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", f"{data}/tokenizer.model",
+             "--train-data-path", f"{data}/train_c{{cluster}}_text_document",
+             "--valid-data-path", f"{data}/valid_text_document", "--disable-bias-linear"]
+    flags += ["--transformer-impl", "transformer_engine"] if gpu else CPU_FLAGS
+    if config == "dense":  # the 107B shape's features
+        flags += ["--group-query-attention", "--num-query-groups", str(s["heads"] // 2), "--swiglu",
+                  "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights"]
+    else:
+        flags += ["--num-experts", str(EXPERTS), "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+                  "--moe-token-dispatcher-type", "alltoall"] + (["--moe-grouped-gemm"] if gpu else [])
+    return flags
+
+
+def dilocox_flags(out: str, size: dict) -> list[str]:
+    return ["--dilocox-h", str(size["h"]), "--dilocox-lowrank-rank", str(RANK), "--dilocox-lowrank-min-dim",
+            str(MIN_DIM), "--dilocox-quant-bits", str(BITS), "--dilocox-quant-block-size", str(BLOCK),
+            "--dilocox-no-adaptive-h", "--dilocox-no-adaptive-rank",
+            "--dilocox-metrics-file", f"{out}/metrics_c{{cluster}}.jsonl"]
+
+
+def planner_memory(size: dict, config: str) -> dict:
+    """The planner's DiLoCoX state per GPU for the dense shape (MoE is not in the planner yet: None)."""
+    if config != "dense":
+        return {}
+    s = cost_model.Setup(hidden=size["hidden"], layers=size["layers"], ffn=64 * int(8 * size["hidden"] / 3 / 64),
+                         vocab=VOCAB, heads=size["heads"], kv_heads=size["heads"] // 2, swiglu=True,
+                         tied_embeddings=False, bias=False, clusters=2, tp=1, pp=1, dp=1, h=size["h"],
+                         rank=RANK, bits=BITS, block=BLOCK, min_dim=MIN_DIM)
+    return cost_model.predict(s)["memory"]
+
+
+def summarize(config: str, codes: list, logs: list, out: str, gpu: bool) -> dict:
+    """Everything the run showed, and the list of disagreements (empty = pass)."""
+    rows = [read_rows(f"{out}/metrics_c{c}.jsonl") if os.path.exists(f"{out}/metrics_c{c}.jsonl") else []
+            for c in range(2)]
+    layouts = [{x["rank"]: x for x in (json.loads(ln.split("DiLoCoX layout ", 1)[1]) for ln in log.lines
+                                       if "DiLoCoX layout {" in ln)} for log in logs]
+    peak = [max((float(m.group(2)) for ln in log.lines if (m := MEMORY_RE.search(ln))), default=None)
+            if gpu else None for log in logs]  # on CPU Megatron's counters are all zero
+    theory = [next((float(m.group(1)) for ln in log.lines if (m := THEORY_RE.search(ln))), None) for log in logs]
+    losses = [log.losses for log in logs]
+    return {"config": config, "exit_codes": codes, "rows": rows, "layouts": layouts, "losses": losses,
+            "valid_losses": [log.valid_losses for log in logs], "peak_mb": peak, "megatron_weight_optimizer_mb": theory}
+
+
+def problems(result: dict, iters: int, h: int) -> list[str]:
+    """The disagreements validate exits 1 on."""
+    bad = []
+    if result["exit_codes"] != [0, 0]:
+        return [f"exit codes {result['exit_codes']}"]
+    rows, layouts, losses = result["rows"], result["layouts"], result["losses"]
+    rounds = iters // h
+    for c in range(2):
+        if [r["round"] for r in rows[c]] != list(range(1, rounds + 1)):
+            bad.append(f"cluster {c} rounds {[r['round'] for r in rows[c]]}, expected 1..{rounds}")
+        if any(r["status"] != "applied" for r in rows[c]):
+            bad.append(f"cluster {c}: a round was not applied")
+        if sorted(losses[c]) != list(range(1, iters + 1)) or not losses[c][iters] < losses[c][1]:
+            bad.append(f"cluster {c}: loss did not fall ({losses[c].get(1)} -> {losses[c].get(iters)})")
+        closed = sum(x["round_bytes"] for x in layouts[c].values())
+        for r in rows[c]:
+            if r["bytes_sent"] != closed:
+                bad.append(f"cluster {c} round {r['round']}: sent {r['bytes_sent']} B, closed form {closed} B")
+    if [r["global_model_hash"] for r in rows[0]] != [r["global_model_hash"] for r in rows[1]]:
+        bad.append("global-model hashes differ between the clusters")
+    if layouts[0] != layouts[1]:
+        bad.append("the clusters' per-rank layouts differ")
+    return bad
+
+
+def report(result: dict, planner: dict):
+    print(f"== {result['config']}")
+    for c in range(2):
+        ls = result["losses"][c]
+        print(f"  cluster {c}: loss {ls.get(1)} -> {ls.get(max(ls, default=0))}, validation "
+              f"{result['valid_losses'][c][-1:]}, peak GPU memory {result['peak_mb'][c]} MB "
+              f"(Megatron's weight+optimizer estimate {result['megatron_weight_optimizer_mb'][c]} MB)")
+        for r in result["rows"][c]:
+            print(f"    round {r['round']} @ {r['iteration']}: hash {r['global_model_hash']} sent {r['bytes_sent']} B "
+                  f"(dense fp32 {r['bytes_dense_fp32']} B) exposed {r['exposed_comm_seconds']:.3f}s")
+    if planner:
+        print(f"  planner DiLoCoX state per GPU: {planner['gpu_bytes'] / 2**20:.2f} MB on GPU, "
+              f"{planner['cpu_bytes'] / 2**20:.2f} MB host ({planner['outer_state_on']} outer state)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="run on CPU (CI); default: GPU 0 with Transformer Engine")
+    ap.add_argument("--data", help="prepared corpus directory (default: built from KJV in a temporary directory)")
+    ap.add_argument("--out", help="where runs write metrics (default: a temporary directory)")
+    ap.add_argument("--configs", default="dense,moe")
+    args = ap.parse_args(argv)
+    gpu = not args.cpu
+    if gpu:
+        import torch
+        if not torch.cuda.is_available():
+            print("validate: no GPU visible; run with --cpu for the CPU form", file=sys.stderr)
+            return 2
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            print("validate: the GPU form needs Transformer Engine (the docker/ image has it)", file=sys.stderr)
+            return 2
+    size = SIZES["gpu" if gpu else "cpu"]
+    out = args.out or tempfile.mkdtemp(prefix="dilocox_validate_")
+    data = args.data or os.path.join(out, "data")
+    if not args.data:
+        from megatron_dilocox.data.prepare import prepare
+        prepare(data, num_clusters=2, vocab_size=VOCAB)
+    env = {"CUDA_VISIBLE_DEVICES": "0" if gpu else "", "WANDB_MODE": "offline"}
+    results, failed = [], []
+    for config in args.configs.split(","):
+        run_dir = os.path.join(out, config)
+        os.makedirs(run_dir, exist_ok=True)
+        t0 = time.time()
+        codes, logs = run(2, 1, megatron_flags(data, size, gpu, config), dilocox_args=dilocox_flags(run_dir, size),
+                          env=env, echo=False, timeout=900)
+        result = summarize(config, codes, logs, run_dir, gpu)
+        result["wall_seconds"] = round(time.time() - t0, 1)
+        bad = problems(result, size["iters"], size["h"])
+        if codes != [0, 0]:
+            print("\n".join("\n".join(log.lines[-30:]) for log in logs))
+        report(result, planner_memory(size, config))
+        print(f"  {'OK' if not bad else 'DISAGREE: ' + '; '.join(bad)} ({result['wall_seconds']} s)")
+        failed += [f"{config}: {b}" for b in bad]
+        results.append({k: result[k] for k in ("config", "exit_codes", "peak_mb", "wall_seconds")} |
+                       {"hashes": [[r["global_model_hash"] for r in rows] for rows in result["rows"]],
+                        "bytes_sent": [[r["bytes_sent"] for r in rows] for rows in result["rows"]],
+                        "closed_form_bytes": [sum(x["round_bytes"] for x in lay.values()) for lay in result["layouts"]],
+                        "first_last_loss": [[ls.get(1), ls.get(size["iters"])] for ls in result["losses"]],
+                        "problems": bad})
+    print("VALIDATE " + json.dumps({"device": "gpu" if gpu else "cpu", "ok": not failed, "results": results}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""``scripts/gpu/validate.sh --cpu``: the GPU validation's CPU form, end to end, and its pass/fail rule."""
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_validate():
+    spec = importlib.util.spec_from_file_location("validate", REPO / "scripts" / "gpu" / "validate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_validate_cpu_form_runs_dense_and_moe_and_agrees(kjv, tmp_path):
+    proc = subprocess.run(["bash", "scripts/gpu/validate.sh", "--cpu", "--data", str(kjv), "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("VALIDATE "))[9:])
+    assert summary["device"] == "cpu" and summary["ok"]
+    assert [r["config"] for r in summary["results"]] == ["dense", "moe"]
+    for r in summary["results"]:
+        assert r["exit_codes"] == [0, 0] and r["problems"] == []
+        assert r["hashes"][0] == r["hashes"][1] and len(set(r["hashes"][0])) == 2  # 8 iterations, H = 4
+        assert r["bytes_sent"] == [[r["closed_form_bytes"][c]] * 2 for c in range(2)]
+        assert all(last < first - 0.5 for first, last in r["first_last_loss"])
+    assert "exposed" in proc.stdout and "planner DiLoCoX state per GPU" in proc.stdout
+
+
+def test_any_disagreement_fails_validation():
+    v = load_validate()
+    row = {"round": 1, "status": "applied", "bytes_sent": 100, "global_model_hash": "a"}
+    good = {"exit_codes": [0, 0], "rows": [[dict(row)], [dict(row)]], "layouts": [{0: {"round_bytes": 100}}] * 2,
+            "losses": [{1: 8.0, 2: 7.0}, {1: 8.0, 2: 7.5}]}
+    assert v.problems(good, iters=2, h=2) == []
+    hashes = copy.deepcopy(good)
+    hashes["rows"][1][0]["global_model_hash"] = "b"
+    assert v.problems(hashes, 2, 2) == ["global-model hashes differ between the clusters"]
+    sent = copy.deepcopy(good)
+    sent["rows"][0][0]["bytes_sent"] = 101
+    assert v.problems(sent, 2, 2) == ["cluster 0 round 1: sent 101 B, closed form 100 B"]
+    flat = copy.deepcopy(good)
+    flat["losses"][1][2] = 8.1
+    assert v.problems(flat, 2, 2) == ["cluster 1: loss did not fall (8.0 -> 8.1)"]
+    assert v.problems(good, 4, 2)[0] == "cluster 0 rounds [1], expected 1..2"
+    assert v.problems(dict(good, exit_codes=[0, 1]), 2, 2) == ["exit codes [0, 1]"]
+
+
+def test_gpu_form_without_a_gpu_says_to_use_cpu():
+    proc = subprocess.run(["bash", "scripts/gpu/validate.sh"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 2 and "no GPU visible; run with --cpu" in proc.stderr
