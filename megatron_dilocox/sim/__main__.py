@@ -12,13 +12,15 @@ import sys
 
 from dataclasses import replace
 
-from megatron_dilocox.sim.cost_model import Setup, layer_tensors, model_params, numel, plan, predict
+from megatron_dilocox.sim.cost_model import Setup, expert_tensors, layer_tensors, model_params, numel, plan, predict
 
 HELP = {
     "hidden": "hidden size h", "layers": "transformer layers L", "ffn": "FFN hidden size",
     "vocab": "vocabulary size (padded to 128*TP)", "heads": "attention heads", "kv_heads": "KV heads (GQA)",
     "swiglu": "SwiGLU MLP (fc1 has 2*ffn rows)", "tied_embeddings": "output layer shares the embedding",
-    "bias": "linear and norm biases", "clusters": "number of clusters C", "tp": "tensor parallel per cluster",
+    "bias": "linear and norm biases", "experts": "MoE: routed experts per layer (0: dense MLP)",
+    "moe_ffn": "MoE: expert FFN hidden size (default --ffn)", "topk": "MoE: experts per token (active params)",
+    "ep": "MoE: expert parallel size (divides --dp and --experts)", "clusters": "number of clusters C", "tp": "tensor parallel per cluster",
     "pp": "pipeline parallel per cluster", "dp": "data parallel per cluster",
     "distributed_optimizer": "Megatron distributed optimizer (flat DP shards) vs DP replicas dealt round-robin",
     "peak_tflops": "peak dense bf16 TFLOP/s per GPU", "mfu": "model FLOPs utilisation (6 N FLOPs per token)",
@@ -87,9 +89,13 @@ def parse(argv) -> argparse.Namespace:
     if "--paper" in argv:
         ap.set_defaults(**PAPER)
     args = ap.parse_args(argv)
+    if args.ep > 1 and not args.experts:
+        ap.error("--ep: expert parallelism needs --experts")
+    if args.experts and (args.experts % args.ep or args.dp % args.ep):
+        ap.error(f"--ep: must divide --experts ({args.experts}) and --dp ({args.dp}), got {args.ep}")
     if args.params:  # layers from the size: embeddings + L layers ~= params
         s = _setup(args)
-        per_layer = sum(numel(t) for t in layer_tensors(s, 1))
+        per_layer = sum(numel(t) for t in layer_tensors(s, 1)) + s.ep * sum(numel(t) for t in expert_tensors(s, 1))
         rest = model_params(replace(s, layers=0))
         args.layers = max(args.pp, round((args.params - rest) / per_layer / args.pp) * args.pp)
     return args
@@ -105,7 +111,8 @@ def _gb(x: float) -> str:
 
 def report(args, out: dict) -> str:
     s, m = _setup(args), out["methods"]
-    lines = [f"DiLoCoX cost model: {out['params'] / 1e9:.2f}B params, {s.clusters} clusters x {s.gpus_per_cluster} GPUs"
+    moe = f" (MoE: {s.experts} experts, top-{s.topk}, EP{s.ep}; {out['active_params'] / 1e9:.2f}B active)" if s.experts else ""
+    lines = [f"DiLoCoX cost model: {out['params'] / 1e9:.2f}B params{moe}, {s.clusters} clusters x {s.gpus_per_cluster} GPUs"
              f" (TP{s.tp} PP{s.pp} DP{s.dp}, {'distributed optimizer' if s.distributed_optimizer else 'DP replicas'}),"
              f" {s.link_gbps:g} Gbps, H={s.h}, rank {s.rank if s.lowrank else 'off'}, {s.bits}-bit/{s.block},"
              f" {s.overlap}",

@@ -59,6 +59,11 @@ class Setup:
     swiglu: bool = True
     tied_embeddings: bool = False
     bias: bool = False
+    # MoE (experts 0 = dense MLP): routed experts per MoE layer (every layer), their FFN size, top-k, EP
+    experts: int = 0
+    moe_ffn: Optional[int] = None  # None: = ffn
+    topk: int = 2
+    ep: int = 1
     # layout per cluster
     clusters: int = 2
     tp: int = 1
@@ -98,20 +103,39 @@ def _pad_vocab(vocab: int, tp: int) -> int:
 
 
 def layer_tensors(s: Setup, tp: int) -> list[tuple[int, ...]]:
-    """One transformer layer's parameters on one TP rank (Megatron names in comments)."""
+    """One transformer layer's non-expert parameters on one TP rank (Megatron names in comments). With
+    experts the MLP is the router, flattened as the seam sends it (whole); the experts are in expert_tensors."""
     h, kv, hd = s.hidden, s.kv_heads or s.heads, s.hidden // s.heads
     qkv_rows, fc1_rows = (s.heads + 2 * kv) * hd, (2 if s.swiglu else 1) * s.ffn
-    t = [(h,), (qkv_rows // tp, h), (h, h // tp), (h,), (fc1_rows // tp, h), (h, s.ffn // tp)]
-    # input_layernorm, linear_qkv, linear_proj, pre_mlp_layernorm, linear_fc1, linear_fc2
+    t = [(h,), (qkv_rows // tp, h), (h, h // tp), (h,)]  # input_layernorm, linear_qkv, linear_proj, pre_mlp_layernorm
+    t += [(s.experts * h,)] if s.experts else [(fc1_rows // tp, h), (h, s.ffn // tp)]  # router | linear_fc1, fc2
     if s.bias:
-        t += [(h,), (qkv_rows // tp,), (h,), (h,), (fc1_rows // tp,), (h,)]
+        t += [(h,), (qkv_rows // tp,), (h,), (h,)] + ([(s.experts,)] if s.experts else [(fc1_rows // tp,), (h,)])
     return t
+
+
+def expert_tensors(s: Setup, tp: int) -> list[tuple[int, ...]]:
+    """One MoE layer's local experts (E / EP of them) on one expert-TP rank (expert-TP = TP): fc1, fc2 each."""
+    if not s.experts:
+        return []
+    ffn = s.moe_ffn or s.ffn
+    one = [((2 if s.swiglu else 1) * ffn // tp, s.hidden), (s.hidden, ffn // tp)]
+    one += [((2 if s.swiglu else 1) * ffn // tp,), (s.hidden,)] if s.bias else []
+    return one * (s.experts // s.ep)
+
+
+def _stage_layers(s: Setup, stage: int, pp: int) -> int:
+    per, extra = divmod(s.layers, pp)
+    return per + (1 if stage < extra else 0)
+
+
+def stage_expert_tensors(s: Setup, stage: int) -> list[tuple]:
+    return expert_tensors(s, s.tp) * _stage_layers(s, stage, s.pp)
 
 
 def stage_tensors(s: Setup, stage: int, tp: Optional[int] = None, pp: Optional[int] = None) -> list[tuple]:
     tp, pp = tp or s.tp, pp or s.pp
-    per, extra = divmod(s.layers, pp)
-    n_layers = per + (1 if stage < extra else 0)
+    n_layers = _stage_layers(s, stage, pp)
     emb = (_pad_vocab(s.vocab, tp) // tp, s.hidden)
     out = [emb] if stage == 0 else []
     for _ in range(n_layers):
@@ -128,7 +152,17 @@ def numel(shape: tuple) -> int:
 
 
 def model_params(s: Setup) -> int:
-    return sum(numel(t) for t in stage_tensors(s, 0, tp=1, pp=1))
+    """Every parameter, all experts included."""
+    experts = s.layers * s.ep * sum(numel(t) for t in expert_tensors(s, 1))
+    return sum(numel(t) for t in stage_tensors(s, 0, tp=1, pp=1)) + experts
+
+
+def active_params(s: Setup) -> int:
+    """Parameters a token passes through (top-k of the experts): what 6 N FLOPs per token counts."""
+    if not s.experts:
+        return model_params(s)
+    per_expert = sum(numel(t) for t in expert_tensors(s, 1)) * s.ep // s.experts
+    return sum(numel(t) for t in stage_tensors(s, 0, tp=1, pp=1)) + s.layers * s.topk * per_expert
 
 
 def _row_views(shape: tuple, start: int, end: int) -> list[tuple]:
@@ -145,16 +179,24 @@ def _row_views(shape: tuple, start: int, end: int) -> list[tuple]:
         ([(end - last,)] if last < end else [])
 
 
+def _share(tensors: list, k: int, n: int, sliced: bool) -> list[tuple]:
+    """Rank k of n's share: each tensor's k-th contiguous slice (distributed optimizer, approximation) or
+    whole tensors dealt round-robin (DP replicas)."""
+    if sliced:
+        return [v for t in tensors for v in _row_views(t, k * numel(t) // n, (k + 1) * numel(t) // n)]
+    return [t for i, t in enumerate(tensors) if i % n == k]
+
+
 def rank_views(s: Setup) -> list[tuple[int, list[tuple]]]:
-    """(multiplicity, view shapes) for every (PP, DP) rank of a cluster; TP ranks are identical."""
+    """(multiplicity, view shapes) for every (PP, DP) rank of a cluster; TP ranks are identical. DP rank d is
+    EP rank d % EP and expert-DP rank d // EP: dense views are shared over DP, expert views over expert-DP."""
     out = []
+    edp = s.dp // s.ep
     for stage in range(s.pp):
-        tensors = stage_tensors(s, stage)
+        tensors, experts = stage_tensors(s, stage), stage_expert_tensors(s, stage)
         for d in range(s.dp):
-            if s.distributed_optimizer:  # each parameter split into DP contiguous slices (approximation)
-                views = [v for t in tensors for v in _row_views(t, d * numel(t) // s.dp, (d + 1) * numel(t) // s.dp)]
-            else:  # whole tensors dealt round-robin over the DP ranks
-                views = [t for i, t in enumerate(tensors) if i % s.dp == d]
+            views = _share(tensors, d, s.dp, s.distributed_optimizer)
+            views += _share(experts, d // s.ep, edp, s.distributed_optimizer)
             out.append((s.tp, views))
     return out
 
@@ -206,7 +248,7 @@ def round_bytes(s: Setup, views: Optional[list] = None) -> dict:
 
 # --------------------------------------------------------------------------------------- time
 def step_seconds(s: Setup, n_params: Optional[int] = None) -> float:
-    n = n_params or model_params(s)
+    n = n_params or active_params(s)
     per_gpu = s.tokens_per_gpu_s or s.mfu * s.peak_tflops * 1e12 / (6 * n)
     return (s.global_batch_tokens / s.clusters) / (s.gpus_per_cluster * per_gpu)
 
@@ -247,7 +289,7 @@ def memory(s: Setup, rb: dict) -> dict:
 def predict(s: Setup) -> dict:
     n = model_params(s)
     rb = round_bytes(s)
-    t_step = step_seconds(s, n)
+    t_step = step_seconds(s, active_params(s))
     b_step = s.global_batch_tokens
     ceiling = b_step / t_step
     # AllReduce: dense gradients of every owned tensor, every step
@@ -274,7 +316,7 @@ def predict(s: Setup) -> dict:
         methods[k]["tokens_per_s"] = s.h * b_step / methods[k]["seconds_per_round"]
     methods["ceiling"]["tokens_per_s"] = ceiling
     ar = methods["allreduce"]["tokens_per_s"]
-    return {"setup": asdict(s), "params": n, "gpus": s.clusters * s.gpus_per_cluster, "step_seconds": t_step,
+    return {"setup": asdict(s), "params": n, "active_params": active_params(s), "gpus": s.clusters * s.gpus_per_cluster, "step_seconds": t_step,
             "round_compute_seconds": hidden, "methods": methods, "memory": memory(s, rb),
             "views_rank_too_large": rb["views_rank_too_large"],
             "speedup_vs_allreduce": methods["dilocox"]["tokens_per_s"] / ar,
