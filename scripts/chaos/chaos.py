@@ -1,13 +1,18 @@
 """Chaos soak: a real multi-cluster Megatron run with random faults, and what they cost.
 
 C clusters (one torchrun each, real Megatron on the KJV corpus, ``--dilocox-on-peer-failure continue``)
-train for ``--iters`` iterations. At random iterations a random rank of a random cluster other than 0 is
-SIGKILLed (torchrun takes the rest of that cluster down); after a random pause the cluster is started
-again with its usual command and rejoins (README: "When a cluster fails"). One fault at a time: the
-next one waits until every cluster is back in the rounds.
+train for ``--iters`` iterations. At random iterations a random rank of a random cluster is SIGKILLed
+(torchrun takes the rest of that cluster down); after a random pause the cluster is started again with its
+usual command and rejoins (README: "When a cluster fails"). With the embedded coordinator cluster 0 is
+never a victim (it hosts the store); with ``--coordinator standalone`` (``python -m
+megatron_dilocox.coordinator``) any cluster is, cluster 0 at least 3 times and the coordinator itself at
+least twice when there are 10 faults or more (SIGKILL, restart at the same address after a pause). One
+fault at a time: the next one waits until every cluster is back in the rounds.
 
 Printed at the end (and written to ``--out``/chaos.json): one line per fault (what, when, detection
-time = kill until the survivors' "retrying with clusters" line, rejoin time, outcome) and a summary:
+time = kill until a survivor's "retrying with clusters" line, or for the coordinator its "lost the
+coordinator" line; rejoin time = restart until the cluster is back in the rounds, or until a survivor's
+"coordinator at ... after" line; outcome) and a summary:
 
     faults injected / survived    survived = the run went on and the cluster was back in the rounds
     rounds dropped                rounds the survivors did not apply (goal: 0; retries keep them)
@@ -17,6 +22,7 @@ time = kill until the survivors' "retrying with clusters" line, rejoin time, out
     final agreement               every cluster ended on the same global-model hash
 
     python scripts/chaos/chaos.py [--quick] [--clusters 2] [--iters 200] [--faults 4] [--seed 0]
+        [--coordinator standalone]
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import os
 import random
 import secrets
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +44,7 @@ from megatron_dilocox.launch import start  # noqa: E402
 from megatron_dilocox.local_launch import free_port  # noqa: E402
 from megatron_dilocox.main_job import gpt_flags  # noqa: E402
 from megatron_dilocox.metrics import read_rows  # noqa: E402
+from megatron_dilocox.rendezvous import listening  # noqa: E402
 
 
 def dilocox_flags(out: str, h: int, timeout: float) -> list[str]:
@@ -55,6 +63,20 @@ class Soak:
         self.dilocox = dilocox_flags(a.out, a.h, a.timeout)
         self.incarnations = []  # (cluster, Clusters handle, position in it)
         self.faults = []
+        self.coordinators = []  # standalone: every coordinator process started, the live one last
+        if a.coordinator == "standalone":
+            self.dilocox += ["--dilocox-coordinator", "standalone"]
+            self.start_coordinator()
+
+    def start_coordinator(self):
+        out = open(f"{self.a.out}/coordinator_{len(self.coordinators)}.log", "w")
+        p = subprocess.Popen([sys.executable, "-m", "megatron_dilocox.coordinator", "--listen",
+                              f"127.0.0.1:{self.port}"], env=dict(os.environ, PYTHONPATH=REPO, **self.env),
+                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        self.coordinators.append(p)
+        deadline = time.monotonic() + 120
+        while not listening(f"127.0.0.1:{self.port}") and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def launch(self, only=None):
         cl = start(self.a.clusters, self.a.nproc, self.megatron, self.dilocox, env=self.env, echo=False,
@@ -70,25 +92,48 @@ class Soak:
         path = f"{self.a.out}/metrics_c{cluster}.jsonl"
         return read_rows(path) if os.path.exists(path) else []
 
-    def all_in(self) -> bool:
-        rows = self.rows(0)
+    def all_in(self, cluster: int) -> bool:
+        rows = self.rows(cluster)
         return bool(rows) and rows[-1]["num_clusters"] == self.a.clusters
 
-    def inject(self, at_iteration: int):
+    def plan(self) -> list:
+        """Victims: a cluster id or "coordinator"; cluster 0 >= 3 and the coordinator >= 2 times when the
+        standalone coordinator runs and there are >= 10 faults."""
         a = self.a
-        cl0, pos0 = self.current(0)
-        log0 = cl0.logs[pos0]
-        if not log0.wait_for(lambda log: log.last_iteration >= at_iteration or log.ended, 1800) or log0.ended:
+        if a.victims:
+            return [v if v == "coordinator" else int(v) for v in a.victims.split(",")]
+        if a.coordinator != "standalone":
+            return [self.rng.randrange(1, a.clusters) for _ in range(a.faults)]
+        pool = list(range(a.clusters)) + ["coordinator"]
+        fixed = [0, 0, 0, "coordinator", "coordinator"] if a.faults >= 10 else []
+        victims = fixed + [self.rng.choice(pool) for _ in range(a.faults - len(fixed))]
+        self.rng.shuffle(victims)
+        return victims
+
+    @staticmethod
+    def count(log, text: str) -> int:
+        return sum(text in ln for ln in log.lines)
+
+    def inject(self, at_iteration: int, victim):
+        a = self.a
+        watcher = 1 if victim == 0 else 0  # a survivor whose log and metrics tell what happened
+        clw, posw = self.current(watcher)
+        logw = clw.logs[posw]
+        if not logw.wait_for(lambda log: log.last_iteration >= at_iteration or log.ended, 1800) or logw.ended:
             return
-        victim, rank = self.rng.randrange(1, a.clusters), self.rng.randrange(a.nproc)
+        if victim == "coordinator":
+            return self.kill_coordinator(logw)
+        rank = self.rng.randrange(a.nproc)
         cl, pos = self.current(victim)
         fault = {"fault": f"SIGKILL cluster {victim} rank {rank}", "cluster": victim,
                  "at_iteration": cl.logs[pos].last_iteration}
-        n_retry = sum("retrying with clusters" in ln for ln in log0.lines)
+        with_victim = [r["launched_at"] for r in self.rows(watcher)
+                       if r["num_clusters"] == a.clusters and r["launched_at"] <= fault["at_iteration"]]
+        fault["victim_tokens_lost"] = (fault["at_iteration"] - max(with_victim, default=0)) * a.global_batch * a.seq
+        n_retry = self.count(logw, "retrying with clusters")
         t_kill = time.monotonic()
         cl.kill(pos, signal.SIGKILL, rank=rank)
-        seen = log0.wait_for(lambda log: sum("retrying with clusters" in ln for ln in log.lines) > n_retry,
-                             a.timeout * 3)
+        seen = logw.wait_for(lambda log: self.count(log, "retrying with clusters") > n_retry, a.timeout * 3)
         fault["detection_s"] = round(time.monotonic() - t_kill, 1) if seen else None
         cl.procs[pos].wait(60)  # the victim's torchrun only (Clusters.wait would stop the survivors too)
         pause = self.rng.uniform(1.0, 5.0)
@@ -96,13 +141,32 @@ class Soak:
         t_restart = time.monotonic()
         self.launch(only=[victim])
         back = False
-        while time.monotonic() - t_restart < a.timeout + 300 and not log0.ended:
-            if self.all_in() and self.rows(0)[-1]["launched_at"] > fault["at_iteration"]:
+        while time.monotonic() - t_restart < a.timeout + 300 and not logw.ended:
+            if self.all_in(watcher) and self.rows(watcher)[-1]["launched_at"] > fault["at_iteration"]:
                 back = True
                 break
             time.sleep(0.5)
         fault["rejoined_after_s"] = round(time.monotonic() - t_restart, 1) if back else None
         fault["outcome"] = "survived, rejoined" if back and seen else "NOT survived"
+        self.faults.append(fault)
+        print("fault:", json.dumps(fault), flush=True)
+
+    def kill_coordinator(self, logw):
+        fault = {"fault": "SIGKILL the coordinator", "cluster": "coordinator", "at_iteration": logw.last_iteration,
+                 "victim_tokens_lost": 0}
+        n_lost, n_back = self.count(logw, "lost the coordinator"), self.count(logw, ": coordinator at ")
+        t_kill = time.monotonic()
+        self.coordinators[-1].send_signal(signal.SIGKILL)
+        self.coordinators[-1].wait(30)
+        pause = self.rng.uniform(1.0, 5.0)
+        time.sleep(pause)
+        t_restart = time.monotonic()
+        self.start_coordinator()
+        seen = logw.wait_for(lambda log: self.count(log, "lost the coordinator") > n_lost, self.a.timeout * 3)
+        fault["detection_s"] = round(time.monotonic() - t_kill, 1) if seen else None
+        back = logw.wait_for(lambda log: self.count(log, ": coordinator at ") > n_back, self.a.timeout * 3)
+        fault["rejoined_after_s"] = round(time.monotonic() - t_restart, 1) if back else None
+        fault["outcome"] = "survived, back with the restarted coordinator" if back and seen else "NOT survived"
         self.faults.append(fault)
         print("fault:", json.dumps(fault), flush=True)
 
@@ -113,12 +177,18 @@ class Soak:
         # faults in the first part of the run: a restarted cluster needs time to start and rejoin
         lo, hi = 2 * a.h + 1, max(2 * a.h + 2, a.iters // 8 if a.faults == 1 else a.iters - a.iters // 4)
         spots = sorted(self.rng.sample(range(lo, max(lo + 1, hi)), min(a.faults, max(1, hi - lo))))
-        for at in spots:
-            self.inject(at)
+        for at, victim in zip(spots, self.plan()):
+            self.inject(at, victim)
         codes = {}
         for c in range(a.clusters):
             cl, pos = self.current(c)
             codes[c] = cl.wait(3600)[pos]
+        if self.coordinators:
+            try:
+                codes["coordinator"] = self.coordinators[-1].wait(120)
+            except subprocess.TimeoutExpired:
+                self.coordinators[-1].kill()
+                codes["coordinator"] = "did not exit"
         for k, (c, cl, pos) in enumerate(self.incarnations):
             cl.stop()
             with open(f"{a.out}/log_{k}_cluster{c}.txt", "w") as f:
@@ -129,16 +199,22 @@ class Soak:
         a = self.a
         rows = {c: self.rows(c) for c in range(a.clusters)}
         final = {c: r[-1]["global_model_hash"] if r else None for c, r in rows.items()}
-        survivor = rows[0]
+        hits = {c: sum(f["cluster"] == c for f in self.faults) for c in range(a.clusters)}
+        # the cluster killed least speaks for the survivors (each round once: a rejoined one's latest row)
+        survivor = sorted({r["round"]: r for r in rows[min(hits, key=lambda c: (hits[c], c))]}.items())
+        survivor = [r for _, r in survivor]
         dropped = [r["round"] for r in survivor if r["status"] != "applied"]
         covered = max((r["launched_at"] for r in survivor if r["status"] == "applied"), default=0)
         tokens = a.global_batch * a.seq
-        killed_lost = 0
-        for f in self.faults:  # its iterations after the launch of the last round that still counted it
-            with_victim = [r["launched_at"] for r in survivor
-                           if r["num_clusters"] == a.clusters and r["launched_at"] <= f["at_iteration"]]
-            killed_lost += (f["at_iteration"] - max(with_victim, default=0)) * tokens
+        # the killed cluster's iterations after the launch of the last round that still counted it
+        killed_lost = sum(f.get("victim_tokens_lost", 0) for f in self.faults)
+        detect = [f["detection_s"] for f in self.faults if f["detection_s"] is not None]
+        back = [f["rejoined_after_s"] for f in self.faults if f["rejoined_after_s"] is not None]
         summary = {
+            "coordinator": a.coordinator, "clusters": a.clusters,
+            "faults_by_victim": {str(k): sum(f["cluster"] == k for f in self.faults)
+                                 for k in list(range(a.clusters)) + ["coordinator"]},
+            "detection_s_max": max(detect, default=None), "rejoin_s_max": max(back, default=None),
             "faults_injected": len(self.faults),
             "faults_survived": sum(f["outcome"].startswith("survived") for f in self.faults),
             "rounds": len(survivor), "rounds_dropped": len(dropped),
@@ -166,9 +242,18 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=os.path.join(REPO, "data", "kjv"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--coordinator", choices=("embedded", "standalone"), default="embedded",
+                    help="standalone: a coordinator process; cluster 0 and the coordinator are victims too")
+    ap.add_argument("--victims", default=None, help="comma-separated victims in order instead of random ones: "
+                                                     "cluster ids and/or 'coordinator' (e.g. 0,coordinator)")
     a = ap.parse_args(argv)
     if a.quick:
         a.clusters, a.iters, a.h, a.faults = 2, 300, 5, 1
+    if a.victims:
+        a.faults = len(a.victims.split(","))
+        if "coordinator" in a.victims and a.coordinator != "standalone" or "0" in a.victims.split(",") \
+                and a.coordinator != "standalone":
+            ap.error("--victims 0 or coordinator needs --coordinator standalone (embedded: cluster 0 hosts the store)")
     a.out = a.out or tempfile.mkdtemp(prefix="dilocox_chaos_")
     os.makedirs(a.out, exist_ok=True)
     a.global_batch, a.seq = 8, 128  # main_job.gpt_flags
