@@ -218,7 +218,7 @@ def rank_payload(shapes: list[tuple], rank: int, bits: int, block: int, min_dim:
     p1 += payload_bytes(whole, bits, block) if whole else 0
     p2 = sum(payload_bytes(b * c * rank, bits, block) for (_, c), b in groups.items())
     p2 += 4 * (rank + 1) if groups else 0
-    return {"p1": p1, "p2": p2, "numel": sum(numel(sh) for sh in shapes), "groups": len(groups),
+    return {"p1": p1, "p2": p2, "numel": sum(numel(sh) for sh in shapes), "whole_numel": whole, "groups": len(groups),
             "q_numel": sum(b * c * rank for (_, c), b in groups.items()), "rank_too_large": too_small}
 
 
@@ -231,7 +231,7 @@ def exchange_bytes(p1: int, p2: int, bits: int, clusters: int, gathered: bool = 
 
 def round_bytes(s: Setup, views: Optional[list] = None) -> dict:
     """Per-cluster bytes of one round (DiLoCoX and dense fp32) and the largest rank's state."""
-    total = dense = owned = max_numel = max_q = too_small = 0
+    total = dense = owned = max_numel = max_whole = max_q = too_small = 0
     phases = 2
     for mult, views in views if views is not None else rank_views(s):
         p = rank_payload(views, s.rank, s.bits, s.block, s.min_dim, s.lowrank)
@@ -239,10 +239,13 @@ def round_bytes(s: Setup, views: Optional[list] = None) -> dict:
         total += mult * exchange_bytes(p["p1"], p["p2"], s.bits, s.clusters, gathered=local)
         dense += mult * allreduce_bytes(4 * p["numel"], s.clusters)
         owned += mult * p["numel"]
-        max_numel, max_q = max(max_numel, p["numel"]), max(max_q, p["q_numel"])
+        if p["numel"] > max_numel:
+            max_numel, max_whole = p["numel"], p["whole_numel"]
+        max_q = max(max_q, p["q_numel"])
         too_small += mult * p["rank_too_large"]
         phases = max(phases, 3 if p["groups"] and s.lowrank_basis != "local" else 2)
     return {"dilocox": total, "dense_fp32": dense, "owned_numel": owned, "max_rank_numel": max_numel,
+            "max_rank_whole_numel": max_whole,
             "max_rank_q_numel": max_q, "views_rank_too_large": too_small, "phases": phases}
 
 
@@ -278,7 +281,10 @@ def memory(s: Setup, rb: dict) -> dict:
              "round_start": 4 * n if s.overlap != "none" else 0,
              # eager's private proxy: c, δ_{t−1} and c's momentum buffer (outer/nesterov.py LocalCorrection)
              "eager_correction": 4 * n * (2 + bool(s.outer_momentum)) if s.overlap == "eager" else 0}
-    gpu = {"error_feedback": 4 * n, "q": 4 * rb["max_rank_q_numel"]}
+    # beside the params: the codec's slabs (e and a spare for the next M; the last Δ of the low-rank groups)
+    # and, while a round is in flight (overlapped modes), its δ_t (kept as error feedback if the round drops)
+    gpu = {"error_feedback": 4 * n, "codec_slabs": 8 * n - 4 * rb.get("max_rank_whole_numel", 0), "in_flight_delta": 4 * n if s.overlap != "none" else 0,
+           "q": 4 * rb["max_rank_q_numel"]}
     where = "cpu" if s.outer_state_device == "cpu" else "gpu"
     gpu_total = sum(gpu.values()) + (sum(outer.values()) if where == "gpu" else 0)
     cpu_total = sum(outer.values()) if where == "cpu" else 0
