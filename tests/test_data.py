@@ -130,6 +130,50 @@ def test_megatron_reads_it_with_the_documented_flags(corpus, monkeypatch, tmp_pa
     assert (sample["labels"][:-1] == sample["tokens"][1:]).all()
 
 
+def _megatron_train_split(d, shard, tok_model):
+    """Megatron's GPT train dataset of one shard, with its index cache where Megatron puts it by default
+    (PREFIX/cache: no path_to_cache), as the main job and the SLURM script run it."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training.arguments import parse_args
+    from megatron.training.utils import get_blend_and_blend_per_split
+    flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tok_model,
+             "--train-data-path", f"{d}/{shard}_text_document", "--valid-data-path", f"{d}/valid_text_document"]
+    old_argv, sys.argv = sys.argv, ["pretrain"] + flags
+    try:
+        args = parse_args()
+    finally:
+        sys.argv = old_argv
+    blend, per_split = get_blend_and_blend_per_split(args)
+    cfg = GPTDatasetConfig(random_seed=1, sequence_length=256, blend=blend, blend_per_split=per_split,
+                           tokenizer=build_tokenizer(args), reset_position_ids=False, reset_attention_mask=False,
+                           eod_mask_loss=False)
+    return BlendedMegatronDatasetBuilder(GPTDataset, [10, 10, 0], lambda: True, cfg).build()[0]
+
+
+def test_resplitting_drops_megatrons_stale_index_cache(corpus, tmp_path):
+    """Preparing the same folder for another cluster count rewrites the shards; Megatron's cached indices of
+    the old shard (keyed by config, not content) must go with it, or the next run reads past the new shard
+    (seen: IndexError 'index 554 is out of bounds for axis 0 with size 377' after a 3-cluster re-split)."""
+    import shutil
+    d = str(tmp_path / "kjv")
+    shutil.copytree(corpus["out"], d)
+    tok = os.path.join(d, "tokenizer.model")
+    before = _megatron_train_split(d, "train_c0", tok)
+    assert os.path.isdir(os.path.join(d, "train_c0_text_document", "cache"))
+    m = prep.prepare(d, num_clusters=2, vocab_size=VOCAB)
+    assert not os.path.exists(os.path.join(d, "train_c0_text_document", "cache"))
+    assert not os.path.exists(os.path.join(d, "train_c2_text_document.bin"))
+    after = _megatron_train_split(d, "train_c0", tok)
+    assert len(after) == (m["splits"]["train_c0"]["tokens"] - 1) // 256 != len(before)
+    assert int(after[len(after) - 1]["tokens"].max()) < VOCAB  # the last sample reads inside the new shard
+    kept = os.path.join(d, "train_c0_text_document", "cache")
+    assert os.path.isdir(kept)
+    prep.prepare(d, num_clusters=2, vocab_size=VOCAB)  # unchanged shards keep their cache
+    assert os.path.isdir(kept)
+
+
 def test_rerun_is_a_no_op(corpus):
     out = corpus["out"]
     before = {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)}

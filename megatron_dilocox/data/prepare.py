@@ -47,7 +47,7 @@ import json
 import logging
 import os
 import re
-import shutil  # noqa: F401 (the tests patch prep.shutil.which; corpora.py uses the same module)
+import shutil  # also patched by the tests (prep.shutil.which; corpora.py uses the same module)
 import sys
 import time
 
@@ -167,6 +167,18 @@ def _build_dataset(prefix: str, docs_ids: list, eod: int, dtype) -> None:
     builder.finalize(tmp + ".idx")
     os.replace(tmp + ".bin", prefix + ".bin")
     os.replace(tmp + ".idx", prefix + ".idx")
+    _drop_index_cache(prefix)
+
+
+def _drop_index_cache(prefix: str) -> None:
+    """Megatron caches a dataset's sample/shuffle indices under PREFIX/cache, keyed by the dataset *config*
+    (path, seed, lengths), not by the file's content: once a shard is rewritten (another --num-clusters splits
+    the chapters differently), the old indices point past the new documents (IndexError at the first batch)."""
+    cache = os.path.join(prefix, "cache")
+    if os.path.isdir(cache):
+        gone = f"{cache}.stale{os.getpid()}"
+        os.replace(cache, gone)  # atomic: a job starting now sees no cache rather than half of one
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 def prepare(out_dir: str, num_clusters: int = 2, vocab_size: int = 4096, corpus: str = "kjv") -> dict:
@@ -246,6 +258,7 @@ def prepare(out_dir: str, num_clusters: int = 2, vocab_size: int = 4096, corpus:
         m = re.fullmatch(r"train_c(\d+)_text_document\.(bin|idx)", fname)
         if m and int(m.group(1)) >= num_clusters:
             os.remove(os.path.join(out, fname))
+            _drop_index_cache(os.path.join(out, fname.rsplit(".", 1)[0]))
 
     # f. manifest (rewritten only when its content changes)
     manifest = {
