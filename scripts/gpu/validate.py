@@ -63,15 +63,15 @@ def dilocox_flags(out: str, size: dict) -> list[str]:
             "--dilocox-metrics-file", f"{out}/metrics_c{{cluster}}.jsonl"]
 
 
-def planner_memory(size: dict, config: str) -> dict:
-    """The planner's DiLoCoX state per GPU for the dense shape (MoE is not in the planner yet: None)."""
-    if config != "dense":
-        return {}
-    s = cost_model.Setup(hidden=size["hidden"], layers=size["layers"], ffn=64 * int(8 * size["hidden"] / 3 / 64),
-                         vocab=VOCAB, heads=size["heads"], kv_heads=size["heads"] // 2, swiglu=True,
-                         tied_embeddings=False, bias=False, clusters=2, tp=1, pp=1, dp=1, h=size["h"],
-                         rank=RANK, bits=BITS, block=BLOCK, min_dim=MIN_DIM)
-    return cost_model.predict(s)["memory"]
+def planner(size: dict, config: str) -> dict:
+    """The planner's prediction for the run's shape (1 GPU per cluster): DiLoCoX state per GPU, bytes."""
+    moe = config != "dense"
+    s = cost_model.Setup(hidden=size["hidden"], layers=size["layers"],
+                         ffn=4 * size["hidden"] if moe else 64 * int(8 * size["hidden"] / 3 / 64), vocab=VOCAB,
+                         heads=size["heads"], kv_heads=None if moe else size["heads"] // 2, swiglu=not moe,
+                         tied_embeddings=moe, bias=False, experts=EXPERTS if moe else 0, topk=2, clusters=2, tp=1,
+                         pp=1, dp=1, h=size["h"], rank=RANK, bits=BITS, block=BLOCK, min_dim=MIN_DIM)
+    return cost_model.predict(s)
 
 
 def summarize(config: str, codes: list, logs: list, out: str, gpu: bool) -> dict:
@@ -113,7 +113,7 @@ def problems(result: dict, iters: int, h: int) -> list[str]:
     return bad
 
 
-def report(result: dict, planner: dict):
+def report(result: dict, plan: dict):
     print(f"== {result['config']}")
     for c in range(2):
         ls = result["losses"][c]
@@ -123,9 +123,10 @@ def report(result: dict, planner: dict):
         for r in result["rows"][c]:
             print(f"    round {r['round']} @ {r['iteration']}: hash {r['global_model_hash']} sent {r['bytes_sent']} B "
                   f"(dense fp32 {r['bytes_dense_fp32']} B) exposed {r['exposed_comm_seconds']:.3f}s")
-    if planner:
-        print(f"  planner DiLoCoX state per GPU: {planner['gpu_bytes'] / 2**20:.2f} MB on GPU, "
-              f"{planner['cpu_bytes'] / 2**20:.2f} MB host ({planner['outer_state_on']} outer state)")
+    mem = plan["memory"]
+    print(f"  planner DiLoCoX state per GPU: {mem['gpu_bytes'] / 2**20:.2f} MB on GPU, "
+          f"{mem['cpu_bytes'] / 2**20:.2f} MB host ({mem['outer_state_on']} outer state); planner bytes/round "
+          f"{plan['methods']['dilocox']['bytes_per_cluster']} B per cluster")
 
 
 def main(argv=None) -> int:
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
         bad = problems(result, size["iters"], size["h"])
         if codes != [0, 0]:
             print("\n".join("\n".join(log.lines[-30:]) for log in logs))
-        report(result, planner_memory(size, config))
+        report(result, planner(size, config))
         print(f"  {'OK' if not bad else 'DISAGREE: ' + '; '.join(bad)} ({result['wall_seconds']} s)")
         failed += [f"{config}: {b}" for b in bad]
         results.append({k: result[k] for k in ("config", "exit_codes", "peak_mb", "wall_seconds")} |
