@@ -117,8 +117,9 @@ def report(result: dict, plan: dict):
     print(f"== {result['config']}")
     for c in range(2):
         ls = result["losses"][c]
+        peak = "n/a on CPU" if result["peak_mb"][c] is None else f"{result['peak_mb'][c]} MB"
         print(f"  cluster {c}: loss {ls.get(1)} -> {ls.get(max(ls, default=0))}, validation "
-              f"{result['valid_losses'][c][-1:]}, peak GPU memory {result['peak_mb'][c]} MB "
+              f"{result['valid_losses'][c][-1:]}, peak GPU memory {peak} "
               f"(Megatron's weight+optimizer estimate {result['megatron_weight_optimizer_mb'][c]} MB)")
         for r in result["rows"][c]:
             print(f"    round {r['round']} @ {r['iteration']}: hash {r['global_model_hash']} sent {r['bytes_sent']} B "
