@@ -8,7 +8,7 @@ the model's dense, expert and router parameters exactly (counts from the model's
 ``bytes_sent`` equals the sum of the ranks' closed-form ``round_bytes`` (logged by the seam). Then a rank of
 cluster 1 is SIGKILLed between round boundaries in a run checkpointing every H, both clusters restart with the same flags, and the continuation
 must equal the reference bitwise (printed losses and grad norms, per-round hash and bytes), as
-``tests/test_resume.py`` does for the small dense GPT.
+``tests/test_resume.py`` does for the small dense GPT (CI runs the MoE resume; the dense one is marked slow).
 """
 import json
 import os
@@ -78,8 +78,9 @@ def layouts(log):
     return {x["rank"]: x for x in found}
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module")
 def reference(request, kjv, tmp_path_factory):
+    """The uninterrupted run of configuration ``request.param`` (one per module, shared by the tests)."""
     out = tmp_path_factory.mktemp(request.param)
     cl = launch(kjv, out, request.param)
     codes = cl.wait(TIMEOUT)
@@ -88,6 +89,7 @@ def reference(request, kjv, tmp_path_factory):
     return SimpleNamespace(name=request.param, out=out, logs=cl.logs, rows=rows)
 
 
+@pytest.mark.parametrize("reference", sorted(CONFIGS), indirect=True)
 def test_clusters_agree_loss_falls_bytes_match_closed_form(reference):
     logs, rows = reference.logs, reference.rows
     nproc = CONFIGS[reference.name][0]
@@ -128,6 +130,8 @@ def test_clusters_agree_loss_falls_bytes_match_closed_form(reference):
         assert rows[0][0]["bytes_dense_fp32"] == 4 * dense_107b_count()
 
 
+# CI runs the MoE resume; the dense one (its checkpoint path is the small dense GPT's, tests/test_resume.py) is slow
+@pytest.mark.parametrize("reference", [pytest.param("dense_107b", marks=pytest.mark.slow), "moe"], indirect=True)
 def test_sigkill_and_restart_resume_bitwise(reference, kjv, tmp_path):
     """Cluster 1's rank 0 dies after iteration 5 (round 1 in flight since the boundary at 4, saved with
     checkpoint 4); both clusters restart from 4 and replay iterations 5-8 and rounds 1-2 bitwise."""
