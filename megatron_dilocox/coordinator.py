@@ -118,6 +118,9 @@ class Coordinator:
             log.warning("DiLoCoX coordinator: the run is in progress; rebuilding its state from the clusters")
         if report is not None:
             self.reports[(c, k)] = report
+            if self.phase == "running" and report["last"] and \
+                    _order(report["last"][0]) >= (self.m.epoch, self.m.seq):  # a verdict the old one gave
+                self._adopt(*report["last"])                                  # that this one has not
         joining = self.phase != "forming" and report is None
         if self.phase == "forming":
             self.proved.add((c, k))
@@ -142,19 +145,27 @@ class Coordinator:
         if not lasts:
             views = list(self.reports.values())
             return self._start(max(v["epoch"] for v in views), 0, max(views, key=lambda v: v["epoch"])["members"])
-        key, verdict = max(lasts, key=lambda kv: _order(kv[0]))
-        self.m.meta.set(f"{key}/verdict", json.dumps(verdict))
+        self._start()
+        self._adopt(*max(lasts, key=lambda kv: _order(kv[0])))
+        m._retries = 0
+
+    def _adopt(self, key: str, verdict: dict):
+        """Publish a verdict the lost coordinator gave (some rank read it) and go on after it."""
+        m = self.m
+        m.meta.set(f"{key}/verdict", json.dumps(verdict))
         epoch, seq = _order(key)
         if verdict["epoch"] != epoch:  # a retry or an admission: the next epoch starts at attempt 0
             epoch, seq = verdict["epoch"], -1
-        log.warning("DiLoCoX coordinator: newest verdict %s (%s) published again", key, verdict["action"])
-        self._start(epoch, seq + 1, verdict["members"])
-        m._retries = 0
+        m.epoch, m.seq, m.members = epoch, seq + 1, list(verdict["members"])
+        self.first_vote = None
+        log.warning("DiLoCoX coordinator: verdict %s (%s) published again; next: epoch %d, attempt %d", key,
+                    verdict["action"], epoch, seq + 1)
 
     def _recovered(self) -> bool:
         views = [r for r in self.reports.values()]
         members = max(views, key=lambda v: _order(v["last"][0]) if v["last"] else (-1, -1))["members"]
-        everyone = all((c, k) in self.reports for c in members for k in range(self.m.local_world))
+        # one view per member cluster: a rank in a collective cannot send one until its peers move on
+        everyone = all(any((c, k) in self.reports for k in range(self.m.local_world)) for c in members)
         return everyone or time.monotonic() > self.recover_until
 
     # ------------------------------------------------------------------------------------- rounds
@@ -189,7 +200,7 @@ class Coordinator:
         m = self.m
         done = {c: m.meta.add(f"done/{c}", 0) for c in range(m.num_clusters)}
         silent = {c: m._silent(c) for c in range(m.num_clusters)}
-        return any(done.values()) and all(done[c] >= m.local_world or silent[c] for c in done)
+        return any(done.values()) and all(done[c] or silent[c] for c in done)
 
     def serve(self) -> int:
         last_check = 0.0

@@ -54,8 +54,12 @@ class Heartbeat:
     also watches every cluster's counter, so silence is measured from a cluster's last beat."""
 
     def __init__(self, connect: Callable[[], TCPStore], cluster: int, period: float = 1.0,
-                 watch: Sequence[int] = (), reconnect: bool = False):
-        self._connect, self._reconnect = connect, reconnect  # reconnect: a standalone coordinator may restart
+                 watch: Sequence[int] = (), reconnect: bool = False,
+                 on_reconnect: Optional[Callable[[TCPStore], None]] = None):
+        # reconnect: a standalone coordinator may restart; on_reconnect(store) then sends it this rank's
+        # view at once (the exchange thread may sit in a collective that waits for a peer which waits for
+        # the new coordinator, which may wait for this view)
+        self._connect, self._reconnect, self._on_reconnect = connect, reconnect, on_reconnect
         self._store = PrefixStore("dilocox/m", connect())
         self._key, self._period = f"hb/{cluster}", period
         self._watch = list(watch)
@@ -80,15 +84,25 @@ class Heartbeat:
                 if not self._reconnect:
                     return
                 try:
-                    self._store = PrefixStore("dilocox/m", self._connect())
+                    store = self._connect()
+                    self._store = PrefixStore("dilocox/m", store)
+                    if self._on_reconnect is not None:
+                        self._on_reconnect(store)
                 except Exception:
                     pass
             self._stop.wait(self._period)
 
     def close(self):
+        """Stop beating; tell a standalone coordinator this cluster is done (it exits once all are)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        try:
+            self._store.add(f"done/{self._key[3:]}", 1)
+        except Exception:
+            pass
 
 
 class Membership:

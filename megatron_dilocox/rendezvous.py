@@ -44,8 +44,9 @@ def split(address: str) -> tuple[str, int]:
 def listening(address: str, timeout: float = 1.0) -> bool:
     """Something accepts TCP connections at ``address`` (a TCPStore client would retry for its whole timeout)."""
     try:
-        with socket.create_connection(split(address), timeout=timeout):
-            return True
+        with socket.create_connection(split(address), timeout=timeout) as s:
+            # a free local port in the ephemeral range can "accept" by TCP self-connect: that is nobody
+            return s.getsockname() != s.getpeername()
     except OSError:
         return False
 
@@ -64,13 +65,16 @@ def role(store: TCPStore) -> Optional[str]:
 
 def find_coordinator(addresses: list[str], grace: float, timeout: float) -> tuple[str, TCPStore]:
     """The one active coordinator among ``addresses`` (waking a standby if none is active)."""
-    deadline = time.monotonic() + grace
+    deadline, extended = time.monotonic() + grace, False
     while True:
         found, stores = {}, {}
         for a in addresses:
             if listening(a):
-                stores[a] = client(a, timeout)
-                found[a] = role(stores[a])
+                try:
+                    stores[a] = client(a, timeout)
+                    found[a] = role(stores[a])
+                except Exception:  # gone again, or not a store at all
+                    stores.pop(a, None)
         active = [a for a, r in found.items() if r == "active"]
         if len(active) > 1:
             raise RendezvousError(f"DiLoCoX: two coordinators answer for this run, at {active[0]} and {active[1]}: "
@@ -84,7 +88,9 @@ def find_coordinator(addresses: list[str], grace: float, timeout: float) -> tupl
             stores[standby[0]].set(f"{PREFIX}/activate", "1")
             stores[standby[0]].wait([f"{PREFIX}/challenge"], timedelta(seconds=timeout))
             return standby[0], stores[standby[0]]
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline and found and not extended:  # listening, no role yet: it may be
+            deadline, extended = time.monotonic() + 10.0, True            # a coordinator still starting up
+        elif time.monotonic() > deadline:
             if found:
                 raise RendezvousError(f"DiLoCoX: {', '.join(found)} answers but is not a standalone coordinator "
                                       f"(an embedded cluster 0's store?): with --dilocox-coordinator standalone, "

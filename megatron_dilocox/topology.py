@@ -118,7 +118,9 @@ class InterClusterGroup(Collective):
         coordinator = self.membership.coordinator
         self._heartbeat = Heartbeat(lambda: connect_store(cfg, host_store=False), cfg.cluster_id,
                                     watch=range(cfg.num_clusters) if coordinator else (),
-                                    reconnect=self.standalone) if local_rank == 0 else None
+                                    reconnect=self.standalone,
+                                    on_reconnect=self._send_view if self.standalone else None) \
+            if local_rank == 0 else None
         if coordinator:
             self.membership.heartbeat = self._heartbeat
         self._form()
@@ -129,6 +131,10 @@ class InterClusterGroup(Collective):
         (cluster 0 unless it is itself the one rejoining)."""
         old = [c for c in verdict["members"] if c not in verdict["admitted"]]
         return verdict["members"].index(old[0])
+
+    def _send_view(self, store: TCPStore):
+        """(Heartbeat thread) prove the secret to a new coordinator and send it this rank's view."""
+        authenticate(store, "the new coordinator", self.cfg, self.local_rank, self.local_world, self.membership.report())
 
     def _failover(self) -> TCPStore:
         """(Standalone) the coordinator is gone: find it again (restarted, or the standby) within the timeout,
@@ -218,11 +224,7 @@ class InterClusterGroup(Collective):
 
     def close(self):
         if self._heartbeat is not None:
-            self._heartbeat.close()
-        try:  # a standalone coordinator exits once every rank of every live cluster is done
-            self.membership.meta.add(f"done/{self.cluster}", 1)
-        except Exception:
-            pass
+            self._heartbeat.close()  # (also at exit: Megatron never closes the group)
 
     def cluster_of(self, rank: int) -> int:
         return self.membership.members[rank]

@@ -194,7 +194,7 @@ def test_the_coordinator_killed_and_replaced_training_goes_on_no_round_twice_or_
     assert "rebuilding its state from the clusters" in replaced and "published again" in replaced
     detect = max(f[0] for f in x["failovers"][:1] + y["failovers"][:1]) - killed["at"]
     back = max(f[1] for f in x["failovers"][:1] + y["failovers"][:1]) - killed["at"]
-    assert back < 2 * TIMEOUT, back
+    assert back < 3 * TIMEOUT, back  # within the clusters' failover window (a restart includes its start-up)
     print(f"FAULT kill the coordinator ({how}, {overlap}): clusters noticed {detect:.1f}s after the kill, back "
           f"with the {'restarted' if how == 'restart' else 'standby'} coordinator {back:.1f}s after it; "
           f"rounds 1..15 each applied once, hashes equal")
@@ -221,6 +221,6 @@ def test_a_restarted_coordinator_republishes_the_verdict_one_cluster_missed(tmp_
         meta.wait(["e0/x4/verdict"], timedelta(seconds=30))
         assert json.loads(meta.get("e0/x4/verdict"))["action"] == "commit"
         assert not meta.check(["e0/x5/verdict"])
-        assert "newest verdict e0/x3 (commit) published again" in coord.text()
+        assert "verdict e0/x3 (commit) published again; next: epoch 0, attempt 4" in coord.text()
     finally:
         coord.stop()
