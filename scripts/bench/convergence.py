@@ -281,6 +281,8 @@ def main(argv=None):
     ap.add_argument("--eval-iters", type=int, default=None, help="batches of 16 per evaluation (default 10; --quick 5)")
     ap.add_argument("--log-interval", type=int, default=None, help="train-loss logging interval (default 10; --quick 5)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages per cluster (processes per cluster)")
+    ap.add_argument("--model-flags", default="", help="extra Megatron flags for every method, e.g. MoE: "
+                    "'--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01'")
     ap.add_argument("--corpus", default="kjv", help="kjv or pydoc (data in data/<corpus>)")
     ap.add_argument("--data", default=None, help="corpus folder (default data/<corpus>)")
     ap.add_argument("--seed", type=int, default=1234)
@@ -309,7 +311,7 @@ def main(argv=None):
     kw = {} if a.corpus == "kjv" else {"corpus": a.corpus}  # pydoc: prepare(..., corpus=) from data/prepare.py
     prepare(a.data, num_clusters=CLUSTERS, **kw)
 
-    flags = gpt_flags(a.data, iters, 1, a.pp) + [
+    flags = gpt_flags(a.data, iters, 1, a.pp) + shlex.split(a.model_flags) + [
         "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters),
         "--eval-global-batch-size", str(CLUSTERS * CLUSTER_BATCH), "--log-interval", str(log_interval),
         "--seed", str(a.seed)]
@@ -321,7 +323,7 @@ def main(argv=None):
         meta = dict(iters=iters, hs=hs, methods={n: methods[n] for n in names}, corpus=a.corpus, data=a.data,
                     pp=a.pp, seed=a.seed, eval_interval=eval_interval, eval_iters=eval_iters,
                     tokens_per_iteration=TOKENS_PER_ITER, tokens_per_method=iters * TOKENS_PER_ITER,
-                    megatron_flags=flags, wall_seconds=round(time.time() - t_all, 1), quick=a.quick)
+                    megatron_flags=flags, model_flags=a.model_flags, wall_seconds=round(time.time() - t_all, 1), quick=a.quick)
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)
 
