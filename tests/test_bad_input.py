@@ -395,7 +395,7 @@ def test_rank_above_tensor_dims_is_reported_before_waiting_at_the_rendezvous(e2e
 def test_end_to_end_clusters_with_different_seed_are_refused_naming_it(e2e):
     codes, logs = e2e["seed"]["codes"], e2e["seed"]["logs"]
     assert codes[0] != 0 and codes[1] != 0
-    expected = ("megatron_dilocox.topology.RendezvousError: DiLoCoX rendezvous: clusters disagree (local rank 0): "
+    expected = ("megatron_dilocox.rendezvous.RendezvousError: DiLoCoX rendezvous: clusters disagree (local rank 0): "
                 "seed: cluster 0 has '1234', cluster 1 has '4321'")
     for log in logs:  # once torch.distributed is up, torch prefixes a rank's traceback lines with "[rankN]: "
         assert expected in [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in log.lines], \
