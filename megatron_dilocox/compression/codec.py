@@ -127,7 +127,8 @@ class PseudoGradientCodec(LocalBasisExchange):
     # ---------------------------------------------------------------------------------- layout
     def _layout_hash(self) -> int:
         text = repr((self.shapes, self.cfg.lowrank, self.cfg.lowrank_min_dim, self.cfg.quant_bits,
-                     self.cfg.quant_block_size) + ((self.cfg.lowrank_basis,) if self.cfg.lowrank_basis != "shared" else ()))
+                     self.cfg.quant_block_size)  # the shared basis keeps the hash it had before bases existed
+                    + ((self.cfg.lowrank_basis,) if self.cfg.lowrank_basis != "shared" else ()))
         return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)  # 48 bits: exact in float64
 
     def payload_sizes(self, rank: Optional[int] = None) -> tuple[int, int]:
@@ -141,10 +142,16 @@ class PseudoGradientCodec(LocalBasisExchange):
         p2 += 4 * (r + 1) if self.groups else 0  # fp32 energy statistics
         return p1, p2
 
+    @property
+    def one_phase(self) -> bool:
+        """The local basis with matrices to factor: one all-gather of P, Q' and the whole tensors, in every
+        precision (the shared basis, or nothing low-rank, sends two phases and all-reduces fp32)."""
+        return bool(self.groups) and self.cfg.lowrank_basis == "local"
+
     def round_bytes(self, rank: int, clusters: int) -> int:
         """Bytes this rank sends in one round at ``rank`` (closed form: header + both phases)."""
         p1, p2 = self.payload_sizes(rank)
-        if self.cfg.quant_bits == 32 and not (self.groups and self.cfg.lowrank_basis == "local"):
+        if self.cfg.quant_bits == 32 and not self.one_phase:
             return allgather_bytes(HEADER_BYTES, clusters) + allreduce_bytes(p1, clusters) + allreduce_bytes(p2, clusters)
         return allgather_bytes(HEADER_BYTES + p1 + p2, clusters)
 
@@ -223,7 +230,7 @@ class PseudoGradientCodec(LocalBasisExchange):
             return finish(f"refused: non-finite pseudo-gradient from cluster(s) {bad}")
 
         G = len(self.groups)
-        if self.cfg.lowrank_basis == "local" and G:
+        if self.one_phase:
             refused, out, e_sq = self._exchange_local(M, m_sq, coll, result)
             if refused:
                 return finish(refused)
@@ -290,8 +297,9 @@ class PseudoGradientCodec(LocalBasisExchange):
         """Sum ``pieces`` (compressed) and ``raw`` (fp32 as is) over clusters.
 
         Returns (sums, what this cluster transmitted after its own quantization, raw sums)."""
-        flat = [p.reshape(-1).float() for p in pieces]
+        n = len(pieces)
         if self.cfg.quant_bits == 32:
+            flat = [p.reshape(-1).float() for p in pieces]
             total = coll.all_reduce_sum(torch.cat(flat + [r.float() for r in raw]))
             parts = list(torch.split(total, [f.numel() for f in flat] + [r.numel() for r in raw]))
             sent = flat
@@ -300,10 +308,10 @@ class PseudoGradientCodec(LocalBasisExchange):
             for c, decoded in self._gathered(pieces, raw, coll):
                 parts = decoded if parts is None else [a + b for a, b in zip(parts, decoded)]
                 if c == coll.rank:
-                    sent = decoded[:len(flat)]
-        sums = [s.view(p.shape) for s, p in zip(parts[:len(flat)], pieces)]
+                    sent = decoded[:n]
+        sums = [s.view(p.shape) for s, p in zip(parts[:n], pieces)]
         sent = [s.view(p.shape) for s, p in zip(sent, pieces)]
-        return sums, sent, parts[len(flat):]
+        return sums, sent, parts[n:]
 
     def _gathered(self, pieces, raw, coll: Collective):
         """All-gather ``pieces`` (quantized at --dilocox-quant-bits) and ``raw`` (fp32); yield (cluster index,

@@ -28,7 +28,8 @@ class LocalBasisExchange:
     """The local-basis round of ``PseudoGradientCodec`` (a mixin: it uses the codec's slabs and gather)."""
 
     def _exchange_local(self, M: list, m_sq: list, coll, result) -> tuple[Optional[str], list, list]:
-        """(refusal or None, Δ slabs, ||e||² per slab); on success e is left in M (in place)."""
+        """(refusal or None, Δ slabs, ||e||² per slab); on success e is left in M (in place). Called only when
+        there are low-rank groups (``one_phase``)."""
         G, C = len(self.groups), coll.size
         bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
         p_sent, qt = [], []
@@ -39,10 +40,8 @@ class LocalBasisExchange:
             p = dequantize(quantize(wire, bits, block), wire.numel(), bits, block).view(wire.shape).transpose(1, 2)
             p_sent.append(p)
             qt.append(lowrank.fit_right_factor(m, p))  # [B, r, cols]
-        raw = []
-        if G:
-            cum = sum(lowrank.cumulative_energy(q.transpose(1, 2)) for q in qt)
-            raw = [torch.cat([cum, torch.tensor([sum(m_sq[:G])])]).float()]
+        cum = sum(lowrank.cumulative_energy(q.transpose(1, 2)) for q in qt)
+        raw = [torch.cat([cum, torch.tensor([sum(m_sq[:G])])]).float()]
         pieces = [p.transpose(1, 2) for p in p_sent] + qt + M[G:]
         out, own, stat_sum = [None] * len(M), None, None
         for c, decoded in self._gathered(pieces, raw, coll):
@@ -55,8 +54,7 @@ class LocalBasisExchange:
             if len(M) > G:
                 whole = decoded[2 * G].view(M[G].shape)
                 out[G] = whole.clone() if out[G] is None else out[G].add_(whole)
-            if G:
-                stat_sum = decoded[-1].clone() if stat_sum is None else stat_sum + decoded[-1]
+            stat_sum = decoded[-1].clone() if stat_sum is None else stat_sum + decoded[-1]
             if c == coll.rank:
                 own = (factors, decoded[2 * G] if len(M) > G else None)
         for o in out:
@@ -70,10 +68,9 @@ class LocalBasisExchange:
             e_sq.append(_sumsq(m))
         if whole is not None:
             e_sq.append(_sumsq(M[G].sub_(whole.view(M[G].shape))))
-        if G:
-            self.q = [q.transpose(1, 2).contiguous() for q in qt]  # warm start: this cluster's own right factors
-            if self.cfg.adaptive_rank:
-                result.next_rank = adaptive.choose_rank(
-                    stat_sum[:-1].tolist(), float(stat_sum[-1]), self.rank, self.cfg.energy_threshold,
-                    self.cfg.resolved_rank_min, self.rank_cap)
+        self.q = [q.transpose(1, 2).contiguous() for q in qt]  # warm start: this cluster's own right factors
+        if self.cfg.adaptive_rank:
+            result.next_rank = adaptive.choose_rank(
+                stat_sum[:-1].tolist(), float(stat_sum[-1]), self.rank, self.cfg.energy_threshold,
+                self.cfg.resolved_rank_min, self.rank_cap)
         return None, out, e_sq
