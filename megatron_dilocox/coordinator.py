@@ -133,8 +133,8 @@ class Coordinator:
         m = self.m
         m.epoch, m.seq = epoch, seq
         m.members = list(range(m.num_clusters)) if members is None else list(members)
-        now = time.monotonic()
-        self.last_beat = {c: now for c in range(m.num_clusters)}
+        now = time.monotonic()  # (recovering: the heartbeats watched meanwhile count, a lost cluster's silence too)
+        self.last_beat = {c: self.last_beat.get(c, now) for c in range(m.num_clusters)}
         self.phase = "running"
         log.warning("DiLoCoX coordinator: running, clusters %s, epoch %d, attempt %d", m.members, epoch, seq)
 
@@ -164,8 +164,10 @@ class Coordinator:
     def _recovered(self) -> bool:
         views = [r for r in self.reports.values()]
         members = max(views, key=lambda v: _order(v["last"][0]) if v["last"] else (-1, -1))["members"]
-        # one view per member cluster: a rank in a collective cannot send one until its peers move on
-        everyone = all(any((c, k) in self.reports for k in range(self.m.local_world)) for c in members)
+        # one view per member cluster: a rank in a collective cannot send one until its peers move on; a
+        # member whose heartbeat has been silent since (lost with the old coordinator) sends none
+        everyone = all(any((c, k) in self.reports for k in range(self.m.local_world)) or self.m._silent(c)
+                       for c in members)
         return everyone or time.monotonic() > self.recover_until
 
     # ------------------------------------------------------------------------------------- rounds
@@ -209,8 +211,10 @@ class Coordinator:
             if self.phase == "forming" and self.shape and \
                     len(self.proved) == self.shape["num_clusters"] * self.shape["local_world"]:
                 self._start()
-            elif self.phase == "recovering" and self._recovered():
-                self._recover()
+            elif self.phase == "recovering":
+                self._watch()
+                if self._recovered():
+                    self._recover()
             if self.phase == "running":
                 self._watch()
                 self._round()

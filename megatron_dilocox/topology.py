@@ -199,6 +199,13 @@ class InterClusterGroup(Collective):
         return True
 
     def settle(self, round_idx: int, outcome: str, attempt_end: float) -> dict:
+        """Vote on the attempt and return the verdict. A failed attempt first closes this rank's group: a
+        member still inside the same collective, waiting on this rank, then fails at once instead of at the
+        gloo timeout (in the soak, cluster 0 killed mid-collective: cluster 2 failed at once, cluster 1, still
+        sending to cluster 2, waited 40 s). Every verdict after a failed vote (retry or stop) forms a new
+        group or ends the run, so the closed one is not used again."""
+        if outcome == "fail":
+            self.pg = None  # the last reference: the destructor closes its connections
         return self.membership.settle(round_idx, outcome, attempt_end)
 
     def reform(self, verdict: dict):

@@ -8,7 +8,7 @@ on, agree every round, and cluster 0 rejoins with the global state), in none and
 import json
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 import torch
@@ -37,7 +37,7 @@ def join(c: DiLoCoXConfig):
 
 
 def spec(C, address, **dilocox):
-    base = dict(num_clusters=C, rendezvous=address, secret=SECRET, timeout_seconds=2 * TIMEOUT, adaptive_h=False,
+    base = dict(num_clusters=C, rendezvous=address, secret=SECRET, timeout_seconds=2 * TIMEOUT, adaptive_h=False, overlap_steps=None,
                 h=4, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8, quant_block_size=64, coordinator="standalone",
                 on_peer_failure="continue")
     base.update(dilocox)
@@ -224,3 +224,51 @@ def test_a_restarted_coordinator_republishes_the_verdict_one_cluster_missed(tmp_
         assert "verdict e0/x3 (commit) published again; next: epoch 0, attempt 4" in coord.text()
     finally:
         coord.stop()
+
+
+def _stamp(line: str) -> float:
+    """The wall time of a coordinator log line ([dilocox-coordinator 2026-12-01 19:35:33,395] ...)."""
+    return datetime.strptime(line[21:44], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_a_cluster_lost_with_the_coordinator_is_not_waited_for_beyond_its_heartbeat_silence(tmp_path):
+    """Cluster 2 and the coordinator die together (cluster 2 never sends the restarted one its view): the new
+    coordinator stops waiting for that view once cluster 2's heartbeat has been silent for timeout/2, and that
+    silence also decides the next round; it used to wait the whole timeout for the view, then for the silence
+    again (the soak saw 60 s at --dilocox-timeout 40)."""
+    address, flag = f"127.0.0.1:{free_port()}", tmp_path / "killed"
+    coords = [CoordinatorProcess(address, SECRET, str(tmp_path / "a.log"))]
+
+    def chaos():
+        deadline = time.monotonic() + 240
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        coords[0].kill()
+        time.sleep(1.0)
+        coords.append(CoordinatorProcess(address, SECRET, str(tmp_path / "a2.log")))
+    t = threading.Thread(target=chaos, daemon=True)
+    t.start()
+    try:
+        res = run_clusters(train_worker, 3, 1, timeout=300, may_die=(2,), args=(dict(
+            steps=60, step_sleep=0.15, die={"slot": 2, "step": 10, "flag": str(flag)},
+            dilocox=spec(3, address)),))
+        t.join(30)
+        assert coords[-1].wait(60) == 0, coords[-1].text()
+    finally:
+        for c in coords:
+            c.stop()
+    x, y = res[(0, 0)], res[(1, 0)]
+    assert x["error"] is None and y["error"] is None, (x["error"], y["error"])
+    assert [r["round"] for r in x["rows"]] == [r["round"] for r in y["rows"]] == list(range(1, 16))
+    assert all(r["status"] == "applied" for r in x["rows"] + y["rows"])
+    assert [r["global_model_hash"] for r in x["rows"]] == [r["global_model_hash"] for r in y["rows"]]
+    assert [r["num_clusters"] for r in x["rows"]][-1] == 2 and x["failovers"] and y["failovers"]
+    lines = coords[-1].text().splitlines()
+    listening_at = _stamp(next(ln for ln in lines if "listening at" in ln))
+    lost = [ln for ln in lines if "-> retry" in ln and "lost cluster(s) 2" in ln]
+    assert len(lost) == 1 and "rebuilding its state from the clusters" in coords[-1].text(), lines
+    settled = _stamp(lost[0]) - listening_at
+    # spec's timeout is 2 * TIMEOUT: heartbeat silence TIMEOUT; the old wait was 2 * TIMEOUT for the view + TIMEOUT
+    assert settled < 2 * TIMEOUT, (settled, lines)
+    print(f"FAULT cluster 2 and the coordinator killed together: the restarted coordinator gave cluster 2 up "
+          f"{settled:.1f}s after it started listening (heartbeat silence {TIMEOUT:.0f}s, timeout {2 * TIMEOUT:.0f}s)")

@@ -18,7 +18,7 @@ TIMEOUT = 8.0  # --dilocox-timeout for these runs: detection must come within it
 
 def spec(C, **dilocox):
     base = dict(num_clusters=C, rendezvous=f"127.0.0.1:{free_port()}", secret=SECRET, timeout_seconds=TIMEOUT,
-                adaptive_h=False, h=4, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8, quant_block_size=64)
+                adaptive_h=False, overlap_steps=None, h=4, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8, quant_block_size=64)
     base.update(dilocox)
     return base
 
@@ -96,3 +96,21 @@ def test_a_restarted_cluster_rejoins_with_the_global_state_and_all_agree_again(o
     assert all(torch.equal(x, y) for x, y in zip(a["final_anchor"], j["final_anchor"])) and finite(j["final_anchor"])
     print(f"FAULT kill cluster 1 + restart (continue, {overlap}): rejoined at iteration {j['first_iteration']}, "
           f"{counts.count(1)} rounds alone, then hashes equal for rounds {min(mine)}..{max(mine)}")
+
+
+def test_a_one_sided_transport_error_does_not_leave_the_peer_waiting_for_the_gloo_timeout():
+    """Cluster 1's 6th all-gather fails before it starts (cluster 0 is already inside it, waiting on cluster 1):
+    cluster 1 closes its group as it votes, so cluster 0's collective fails at once, not at the gloo timeout
+    (in the soak a survivor still sending to another one waited that long); the round is retried by both."""
+    res = run(2, may_die=(), steps=24, step_sleep=0.05, fail_gather=(1, 6),
+              dilocox=spec(2, on_peer_failure="continue"))
+    a, b = res[(0, 0)], res[(1, 0)]
+    assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
+    assert b["injected_failure"] and not a["injected_failure"]
+    assert [r["round"] for r in a["rows"]] == [r["round"] for r in b["rows"]] == list(range(1, 7))
+    assert all(r["status"] == "applied" and r["num_clusters"] == 2 for r in a["rows"] + b["rows"])
+    assert [r["global_model_hash"] for r in a["rows"]] == [r["global_model_hash"] for r in b["rows"]]
+    slowest = max(a["rows"], key=lambda r: r["comm_seconds"])
+    assert slowest["comm_seconds"] < TIMEOUT / 2, slowest  # the gloo timeout is TIMEOUT
+    print(f"FAULT one-sided transport error (cluster 1): round {slowest['round']} retried, settled after "
+          f"{slowest['comm_seconds']:.1f}s on cluster 0 (gloo timeout {TIMEOUT:.0f}s)")
