@@ -16,7 +16,8 @@ rejects. ``tests/test_config.py`` checks ``validate()`` on the dataclass; this t
 
 A few rows also run end to end under ``torchrun -m megatron_dilocox.pretrain_gpt`` (all at once, one
 fixture), together with the checks that need a Megatron model (rank vs tensor shape) or two clusters
-(settings that differ between clusters are refused at rendezvous, naming the difference).
+(settings that differ between clusters are refused at rendezvous, naming the difference), and
+``--moe-grouped-gemm`` on CPU (stopped in Megatron's validation, naming the local experts).
 """
 from __future__ import annotations
 
@@ -345,6 +346,8 @@ def e2e():
                                      f"127.0.0.1:{free_port()}", "--dilocox-timeout-seconds", "8",
                                      "--dilocox-lowrank-rank", "100", "--dilocox-lowrank-min-dim", "32"],
                                     dict(env, DILOCOX_SECRET=secret))
+    # an MoE GPT with --moe-grouped-gemm on CPU: Megatron's validation asks the GPU's compute capability
+    procs["moe-grouped-gemm"] = _torchrun(["--num-experts", "4", "--moe-grouped-gemm"], env)
     seeds = {}
 
     def disagree():  # two real clusters via megatron_dilocox.launch, cluster 1 with another --seed
@@ -390,6 +393,18 @@ def test_rank_above_tensor_dims_is_reported_before_waiting_at_the_rendezvous(e2e
         CFG + "--dilocox-lowrank-rank: rank 100 exceeds min(rows, cols) = 64") for line in lines), \
         "\n".join(lines[-15:])
     assert not any("RendezvousError" in line for line in lines)
+
+
+def test_moe_grouped_gemm_on_cpu_stops_in_megatron_validation_naming_the_local_experts(e2e):
+    """The local implementation (CPU) builds SequentialMLP experts whatever --moe-grouped-gemm says; TE's
+    TEGroupedMLP is GPU only. The CPU backend's stand-in for the capability query says so and what to change."""
+    code, lines = e2e["moe-grouped-gemm"]
+    assert code != 0
+    expected = ("RuntimeError: No GPU: Megatron asked for the GPU's compute capability, which it does for "
+                "--moe-grouped-gemm (Transformer Engine's TEGroupedMLP, GPU only). Drop --moe-grouped-gemm on CPU: "
+                "the local experts are SequentialMLP")
+    assert expected in [line.strip() for line in lines], "\n".join(lines[-15:])
+    assert MEGATRON_ARGS_DONE not in lines and DIST_INIT not in lines  # inside Megatron's validate_args
 
 
 def test_end_to_end_clusters_with_different_seed_are_refused_naming_it(e2e):

@@ -25,6 +25,8 @@ INVALID = [
     (dict(h=10, h_min=20), "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [20, 40], got 10"),
     (dict(h=10, h_max=5), "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [10, 5], got 10"),
     (dict(adaptive_h_margin=-0.1), "--dilocox-adaptive-h-margin: must be in [0, 10], got -0.1"),
+    (dict(overlap_steps=-1), "--dilocox-overlap-steps: must be >= 0, got -1"),
+    (dict(overlap_steps=2.5), "--dilocox-overlap-steps: must be an integer, got 2.5"),
     (dict(overlap="streaming"), "--dilocox-overlap: must be one of none, one-step-delay, eager, got 'streaming'"),
     (dict(delay_local_weight=1.5), "--dilocox-delay-local-weight: must be in [0, 1], got 1.5"),
     (dict(min_compression=0.5), "--dilocox-min-compression: must be a number >= 1"),

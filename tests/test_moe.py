@@ -1,17 +1,29 @@
 """The configurations 100B-class runs use, through real Megatron with DiLoCoX (2 clusters, KJV, CPU): an MoE GPT
-with expert parallelism (EP2 x DP2, alltoall dispatcher over gloo, distributed optimizer, bf16), and a dense GPT
-with GQA + SwiGLU + RMSNorm + untied embeddings + bf16 + distributed optimizer.
+with expert parallelism (EP2 x DP2, alltoall dispatcher over gloo, bf16) with the distributed optimizer
+(``moe``) and without it (``moe_replicas``: every DP rank a full replica, views dealt round-robin over the DP
+and expert-DP groups), and a dense GPT with GQA + SwiGLU + RMSNorm + untied embeddings + bf16 + distributed
+optimizer (``dense_107b``).
 
 Each configuration has one uninterrupted reference run, whose numbers are asserted: loss
 falls, the global-model hash is equal on both clusters after every round, the elements each rank syncs partition
 the model's dense, expert and router parameters exactly (counts from the model's shape), and every round's
-``bytes_sent`` equals the sum of the ranks' closed-form ``round_bytes`` (logged by the seam). Then a rank of
-cluster 1 is SIGKILLed between round boundaries in a run checkpointing every H, both clusters restart with the same flags, and the continuation
-must equal the reference bitwise (printed losses and grad norms, per-round hash and bytes), as
-``tests/test_resume.py`` does for the small dense GPT (CI runs the MoE resume; the dense one is marked slow).
+``bytes_sent`` equals the sum of the ranks' closed-form ``round_bytes`` (logged by the seam). For MoE, Megatron's
+own argument dump shows the alltoall dispatcher, EP2 and gloo, and every iteration logs the aux (load-balancing)
+loss. Expert implementation: ``--transformer-impl local`` (CPU) builds ``SequentialMLP`` whatever
+``--moe-grouped-gemm`` says (``LocalSpecProvider.grouped_mlp_modules``), and on CPU ``--moe-grouped-gemm`` stops
+in Megatron's argument validation (``tests/test_bad_input.py``); TE's ``TEGroupedMLP`` is GPU only
+(``scripts/gpu/validate.sh``).
+
+Resume, bitwise against the reference (printed losses and grad norms, per-round hash and bytes), as
+``tests/test_resume.py`` does for the small dense GPT. MoE: a rank of cluster 1 is SIGKILLed between round
+boundaries in a run checkpointing every H, both clusters restart with the same flags. Dense: the reference run
+itself checkpoints every H; both clusters restart from its iteration-H checkpoint (round 1 in flight) after
+its iteration-2H checkpoint is removed, as if lost (the SIGKILL form of it is marked slow: two more launches).
 """
 import json
 import os
+import re
+import shutil
 import signal
 from types import SimpleNamespace
 
@@ -19,7 +31,7 @@ import pytest
 
 from megatron_dilocox.launch import run, start
 from megatron_dilocox.metrics import read_rows
-from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
+from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags
 
 ITERS, H = 8, 4
 ENV = {"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
@@ -51,7 +63,11 @@ def dense_107b_count():
     return 2 * VOCAB * HIDDEN + LAYERS * layer + HIDDEN
 
 
-CONFIGS = {"moe": (4, MOE), "dense_107b": (2, DENSE_107B)}
+MOE_REPLICAS = [f for f in MOE if f != "--use-distributed-optimizer"]  # EP2 x DP2, every DP rank a full replica
+CONFIGS = {"moe": (4, MOE), "moe_replicas": (4, MOE_REPLICAS), "dense_107b": (2, DENSE_107B)}
+CHECKPOINTING_REFERENCE = {"dense_107b"}  # its reference saves every H: the dense resume restarts from it
+MOE_ARGS_DUMP = {"moe_token_dispatcher_type": "alltoall", "expert_model_parallel_size": "2",
+                 "distributed_backend": "gloo", "num_experts": str(EXPERTS), "moe_router_topk": "2"}
 
 
 def launch(corpus, out, name, checkpoints=False):
@@ -69,7 +85,13 @@ def metrics(out, c):
 
 
 def tail(logs):
-    return "\n".join("\n".join(log.lines[-40:]) for log in logs)
+    return failure_report(logs)
+
+
+def megatron_args(log) -> dict:
+    """{name: value} from Megatron's argument dump ("  name ....... value")."""
+    found = (re.match(r"^\s+(\w+) \.{3,} (.*)$", line) for line in log.lines)
+    return {m.group(1): m.group(2).strip() for m in found if m}
 
 
 def layouts(log):
@@ -82,7 +104,7 @@ def layouts(log):
 def reference(request, kjv, tmp_path_factory):
     """The uninterrupted run of configuration ``request.param`` (one per module, shared by the tests)."""
     out = tmp_path_factory.mktemp(request.param)
-    cl = launch(kjv, out, request.param)
+    cl = launch(kjv, out, request.param, checkpoints=request.param in CHECKPOINTING_REFERENCE)
     codes = cl.wait(TIMEOUT)
     assert codes == [0, 0], tail(cl.logs)
     rows = [read_rows(f"{out}/metrics_c{c}.jsonl") for c in range(2)]
@@ -111,26 +133,64 @@ def test_clusters_agree_loss_falls_bytes_match_closed_form(reference):
         assert sum(rows_ * cols * n for rows_, cols, n in x["lowrank_groups"]) + x["whole_numel"] == sum(
             x["numel"].values())
     total = {k: sum(x["numel"][k] for x in lay[0].values()) for k in ("dense", "expert", "router")}
-    if reference.name == "moe":
+    if reference.name.startswith("moe"):
         dense, expert, router = moe_param_counts()
-        # distributed optimizer: dense shards over DP4, expert shards over expert-DP2 of each EP rank
+        # distributed optimizer: dense shards over DP4, expert shards over expert-DP2 of each EP rank;
+        # replicas: dense and router tensors dealt over DP4, each EP rank's expert tensors over its expert-DP2
         assert total == {"dense": dense, "expert": expert, "router": router}, total
-        assert all(x["numel"]["expert"] == expert // 4 for x in lay[0].values())
         assert all(x["whole_numel"] >= x["numel"]["router"] for x in lay[0].values())  # the router is sent whole
         assert rows[0][0]["bytes_dense_fp32"] == 4 * (dense + expert + router)  # ring all-reduce, C = 2
-        # the planner's model of this run: the same elements and dense bytes; its DiLoCoX bytes approximate
-        # the flat shards by per-parameter slices (more partial rows), so they may only be higher, by < 50%
+        for c in range(2):  # Megatron's own argument dump: the alltoall dispatcher over gloo, EP2; the aux loss
+            shown = megatron_args(logs[c])
+            assert {k: shown.get(k) for k in MOE_ARGS_DUMP} == MOE_ARGS_DUMP, shown
+            assert shown["use_distributed_optimizer"] == str(reference.name == "moe")
+            aux = [line for line in logs[c].lines if " iteration " in line and "load_balancing_loss: " in line]
+            assert len(aux) == ITERS, aux
+        from dataclasses import replace
+
         from megatron_dilocox.sim.cost_model import round_bytes
         from tests.test_sim_moe import TINY_MOE
-        planned = round_bytes(TINY_MOE)
+        if reference.name == "moe":
+            assert all(x["numel"]["expert"] == expert // 4 for x in lay[0].values())
+            # the planner's model of this run: the same elements and dense bytes; its DiLoCoX bytes approximate
+            # the flat shards by per-parameter slices (more partial rows), so they may only be higher, by < 50%
+            planned = round_bytes(TINY_MOE)
+            assert rows[0][0]["bytes_sent"] <= planned["dilocox"] < 1.5 * rows[0][0]["bytes_sent"], planned
+        else:
+            # each expert-DP pair splits its EP rank's two local experts (4 x 33,088 elements) between them
+            assert sorted(x["numel"]["expert"] for x in lay[0].values()) == [65792, 65792, 66560, 66560]
+            # the planner deals whole tensors round-robin too: its bytes per round are the measured ones
+            planned = round_bytes(replace(TINY_MOE, distributed_optimizer=False))
+            assert planned["dilocox"] == rows[0][0]["bytes_sent"], planned
         assert planned["owned_numel"] == dense + expert + router and planned["dense_fp32"] == rows[0][0]["bytes_dense_fp32"]
-        assert rows[0][0]["bytes_sent"] <= planned["dilocox"] < 1.5 * rows[0][0]["bytes_sent"], planned
     else:
         assert total == {"dense": dense_107b_count(), "expert": 0, "router": 0}, total
         assert rows[0][0]["bytes_dense_fp32"] == 4 * dense_107b_count()
 
 
-# CI runs the MoE resume; the dense one (its checkpoint path is the small dense GPT's, tests/test_resume.py) is slow
+def assert_continuation_is_the_reference(reference, logs, out, seen):
+    """Iterations H+1..ITERS and rounds 1-2 of the restarted clusters equal the reference bitwise."""
+    for c, log in enumerate(logs):
+        ref = reference.logs[c]
+        agreed = [line for line in log.lines if f"DiLoCoX resume: every cluster loads iteration {H} " in line]
+        assert len(agreed) == 1, tail([log])
+        assert sorted(log.losses) == sorted(log.grad_norms) == list(range(H + 1, ITERS + 1))
+        for it in range(H + 1, ITERS + 1):
+            assert log.grad_norms[it] == ref.grad_norms[it], (c, it)
+            if it == H + 2:  # Megatron prints the mean of a process's first two losses here (tests/test_resume.py)
+                mean = (ref.losses[it - 1] + ref.losses[it]) / 2
+                assert abs(log.losses[it] - mean) <= 1e-6 * mean, (c, it)
+            else:
+                assert log.losses[it] == ref.losses[it], (c, it, log.losses[it], ref.losses[it])
+        new = metrics(out, c)[seen[c]:]
+        old = [r for r in reference.rows[c] if r["iteration"] > H]
+        assert [r["round"] for r in new] == [r["round"] for r in old] == [1, 2]
+        for a, b in zip(new, old):
+            for key in ("global_model_hash", "bytes_sent", "bytes_received", "pseudo_grad_norm"):
+                assert a[key] == b[key], (c, key, a[key], b[key])
+
+
+# CI runs the MoE SIGKILL resume and the dense restart below; the dense SIGKILL form costs two more launches
 @pytest.mark.parametrize("reference", [pytest.param("dense_107b", marks=pytest.mark.slow), "moe"], indirect=True)
 def test_sigkill_and_restart_resume_bitwise(reference, kjv, tmp_path):
     """Cluster 1's rank 0 dies after iteration 5 (round 1 in flight since the boundary at 4, saved with
@@ -147,22 +207,23 @@ def test_sigkill_and_restart_resume_bitwise(reference, kjv, tmp_path):
     seen = [len(metrics(tmp_path, c)) for c in range(2)]  # none yet: both rounds are applied at iteration 8
     again = launch(kjv, tmp_path, reference.name, checkpoints=True)
     assert again.wait(TIMEOUT) == [0, 0], tail(again.logs)
-    for c, log in enumerate(again.logs):
-        ref = reference.logs[c]
-        assert sorted(log.losses) == sorted(log.grad_norms) == list(range(H + 1, ITERS + 1))
-        for it in range(H + 1, ITERS + 1):
-            assert log.grad_norms[it] == ref.grad_norms[it], (c, it)
-            if it == H + 2:  # Megatron prints the mean of a process's first two losses here (tests/test_resume.py)
-                mean = (ref.losses[it - 1] + ref.losses[it]) / 2
-                assert abs(log.losses[it] - mean) <= 1e-6 * mean, (c, it)
-            else:
-                assert log.losses[it] == ref.losses[it], (c, it, log.losses[it], ref.losses[it])
-        new = metrics(tmp_path, c)[seen[c]:]
-        old = [r for r in reference.rows[c] if r["iteration"] > H]
-        assert [r["round"] for r in new] == [r["round"] for r in old] == [1, 2]
-        for a, b in zip(new, old):
-            for key in ("global_model_hash", "bytes_sent", "bytes_received", "pseudo_grad_norm"):
-                assert a[key] == b[key], (c, key, a[key], b[key])
+    assert_continuation_is_the_reference(reference, again.logs, tmp_path, seen)
+
+
+@pytest.mark.parametrize("reference", ["dense_107b"], indirect=True)
+def test_restart_from_the_references_checkpoint_resumes_bitwise(reference, kjv, tmp_path):
+    """The dense GQA/SwiGLU/RMSNorm/untied bf16 dist-opt GPT: the reference saved at 4 (round 1 in flight) and 8.
+    Its checkpoints copied, iteration 8's removed as if lost; both clusters restart with the reference's flags,
+    agree on 4 and replay iterations 5-8 and rounds 1-2 bitwise."""
+    for c in range(2):
+        ckpt = f"{tmp_path}/ckpt_c{c}"
+        shutil.copytree(f"{reference.out}/ckpt_c{c}", ckpt)
+        assert sorted(os.listdir(ckpt)) == ["dilocox_checkpoints.json", f"iter_{H:07d}", f"iter_{ITERS:07d}",
+                                            "latest_checkpointed_iteration.txt"], os.listdir(ckpt)
+        shutil.rmtree(f"{ckpt}/iter_{ITERS:07d}")
+    again = launch(kjv, tmp_path, reference.name, checkpoints=True)
+    assert again.wait(TIMEOUT) == [0, 0], tail(again.logs)
+    assert_continuation_is_the_reference(reference, again.logs, tmp_path, [0, 0])
 
 
 def test_clusters_with_a_different_expert_layout_are_refused(kjv, tmp_path):

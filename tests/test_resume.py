@@ -237,6 +237,28 @@ def test_async_and_non_persistent_saves_are_refused():
     ck.check_args(SimpleNamespace(async_save=False, non_persistent_save_interval=None))
 
 
+def test_legacy_torch_checkpoints_with_data_parallelism_are_refused():
+    """Megatron's ``torch`` format writes the optimizer state dict (with each rank's DiLoCoX state) from DP rank 0
+    only and every DP rank loads it: a 2 x DP2 dist-opt bf16 GPT saved that way stopped at resume with
+    "DiLoCoX codec state does not match this model's parameter layout" on DP rank 1 (where the shards' shapes
+    coincide it would load rank 0's state silently). DP1 (each TP/PP rank writes its own file) and torch_dist pass."""
+    from megatron_dilocox.config import DiLoCoXConfigError
+
+    def args(**kw):
+        return SimpleNamespace(**dict(dict(async_save=False, non_persistent_save_interval=None, ckpt_format="torch",
+                                           data_parallel_size=2, save="/ckpt", load=None), **kw))
+    message = ("--ckpt-format torch: not supported with --dilocox and data parallelism (DP = 2); Megatron writes the "
+               "optimizer state, where each rank's DiLoCoX state rides, from DP rank 0 only and every DP rank loads "
+               "that one, so the other ranks would resume with rank 0's DiLoCoX state; use --ckpt-format torch_dist "
+               "(one DiLoCoX state object per rank)")
+    for kw in ({}, dict(save=None, load="/ckpt")):
+        with pytest.raises(DiLoCoXConfigError) as err:
+            ck.check_args(args(**kw))
+        assert str(err.value) == message
+    for kw in (dict(data_parallel_size=1), dict(ckpt_format="torch_dist"), dict(save=None)):
+        ck.check_args(args(**kw))
+
+
 # ----------------------------------------------------------------------------------------------- the launcher
 # Stand-in ranks: ``python -m timeit`` running one 10-minute sleep (no imports, nothing to clean up but processes).
 SLEEPER = ("timeit", ["-n", "1", "-r", "1", "import time; time.sleep(600)"])

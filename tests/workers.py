@@ -53,6 +53,20 @@ class SlowGroup(InterClusterGroup):
         return super()._all_gather(buf)
 
 
+class FlakyGroup(InterClusterGroup):
+    """The real gloo group, whose ``fail_at``-th all-gather on cluster ``fail_cluster`` raises before it starts:
+    a transport error on one side only, the other members are left inside the collective waiting for it."""
+
+    fail_cluster, fail_at, calls, failed = -1, 0, 0, False
+
+    def _all_gather(self, buf):
+        FlakyGroup.calls += 1
+        if self.cluster == FlakyGroup.fail_cluster and FlakyGroup.calls == FlakyGroup.fail_at:
+            FlakyGroup.failed = True
+            raise RuntimeError("injected transport error")
+        return super()._all_gather(buf)
+
+
 def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     """Run spec['steps'] inner steps with DiLoCoX; return per-round rows, anchors and losses.
 
@@ -67,8 +81,9 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     settings = dict(spec["dilocox"], **spec.get("dilocox_by_cluster", {}).get(str(cluster), {}))
     cfg = DiLoCoXConfig(cluster_id=cluster, **settings).validate()
     store = connect_store(cfg, host_store=(cluster == 0 and local_rank == 0))
-    group_cls = SlowGroup if spec.get("slow_gather") else InterClusterGroup
+    group_cls = SlowGroup if spec.get("slow_gather") else FlakyGroup if spec.get("fail_gather") else InterClusterGroup
     SlowGroup.delay = spec.get("slow_gather", 0.0)
+    FlakyGroup.fail_cluster, FlakyGroup.fail_at = spec.get("fail_gather", (-1, 0))
     fingerprint = dict(spec.get("fingerprint", {}), **spec.get("fingerprint_by_cluster", {}).get(str(cluster), {}))
     group = group_cls(cfg, local_rank, store, fingerprint=fingerprint,
                       local_world=torch.distributed.get_world_size())
@@ -122,6 +137,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
         out["rows"] = sync.rows
         out["exchange_spans"] = sync.exchange_spans
         out["failovers"] = list(getattr(group, "failovers", []))  # (lost, back) wall times, standalone
+        out["injected_failure"] = FlakyGroup.failed
         sync.close()
     return out
 

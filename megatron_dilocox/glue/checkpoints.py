@@ -13,6 +13,9 @@ What.
   atomically (tmp + fsync + ``os.replace``). Only registered iterations are complete. ``--async-save`` is refused
   (the registry needs the save finished when ``save_checkpoint`` returns), and so are non-persistent checkpoints
   (Megatron would load them by itself, bypassing the agreement below).
+- ``--ckpt-format torch`` with DP > 1 is refused: Megatron's legacy format saves the optimizer state dict (and so
+  the DiLoCoX state riding in it) from DP rank 0 only, and every DP rank loads that file; each DP rank's DiLoCoX
+  state differs (its own shards, or its round-robin share of the replica). ``torch_dist`` keeps one per rank.
 - At start-up, before Megatron loads (``agree_on_resume_iteration``, from ``DiLoCoXOptimizer.__init__``), cluster
   rank 0 reads its complete iterations (those whose directory still exists); the cluster's ranks take rank 0's
   list (all-reduce), the clusters exchange theirs (all-gather over the inter-cluster group) and take the newest
@@ -212,6 +215,14 @@ def check_args(args):
         raise DiLoCoXConfigError("--non-persistent-save-interval: not supported with --dilocox; Megatron would "
                                  "load such a checkpoint on its own, and clusters could resume from different "
                                  "iterations")
+    dp = getattr(args, "data_parallel_size", None) or 1
+    if getattr(args, "ckpt_format", None) == "torch" and dp > 1 and (getattr(args, "save", None)
+                                                                      or getattr(args, "load", None)):
+        raise DiLoCoXConfigError(
+            f"--ckpt-format torch: not supported with --dilocox and data parallelism (DP = {dp}); Megatron writes "
+            "the optimizer state, where each rank's DiLoCoX state rides, from DP rank 0 only and every DP rank "
+            "loads that one, so the other ranks would resume with rank 0's DiLoCoX state; use --ckpt-format "
+            "torch_dist (one DiLoCoX state object per rank)")
 
 
 def install(args):
