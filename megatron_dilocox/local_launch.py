@@ -8,16 +8,47 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import random
 import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on, chosen *below* the kernel's ephemeral range.
+
+    ``bind(0)`` hands out a port from the ephemeral range, the same range every outgoing connection
+    (gloo opens thousands) draws its source port from: between our probe and the server's bind, a
+    client socket can take the port, and the server then fails or a client meets a stranger (a CI run
+    saw "Connection reset by peer" on a torchrun master port). Ports below that range are never
+    auto-assigned, so only another explicit bind can collide, which the probe catches."""
+    high = _ephemeral_low() - 1
+    low = max(1024, high - 16000)
+    rng = random.Random()  # fresh OS entropy: forked workers must not share one sequence
+    for _ in range(200):
+        port = rng.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {low}..{high} after 200 tries")
 
 
 def _entry(fn, cluster_id, local_rank, ranks_per_cluster, master_port, args, queue, env):

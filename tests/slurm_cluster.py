@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_dilocox.local_launch import free_port  # noqa: F401  (tests import it from here)
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 HOSTS_FILE = "/etc/hosts"
@@ -67,12 +69,6 @@ def ensure_installed(timeout: float = 600) -> None:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0 or _which_all():
         raise SlurmUnavailable(f"`{' '.join(cmd)}` failed (rc {r.returncode}): {r.stderr[-2000:]}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cmdline(pid: int) -> str:

@@ -28,7 +28,7 @@ import pytest
 
 from megatron_dilocox.launch import run
 from megatron_dilocox.metrics import ROUND_KEYS
-from tests.megatron_flags import tiny_gpt_flags
+from tests.megatron_flags import failure_report, tiny_gpt_flags
 from tests.test_wan import _skip_reason  # the WAN testbed's own preconditions, one place
 
 WAN_PY = Path(__file__).resolve().parent.parent / "scripts" / "wan" / "wan.py"
@@ -82,6 +82,7 @@ def test_degraded_link_h_rises_exposure_bounded_h_returns(wan, kjv, tmp_path):
     metrics = [tmp_path / f"metrics_c{c}.jsonl" for c in range(2)]
     dilocox = ["--dilocox-h", str(H_MIN), "--dilocox-h-min", str(H_MIN), "--dilocox-h-max", str(H_MAX),
                "--dilocox-overlap", "one-step-delay", "--dilocox-adaptive-h", *PAYLOAD,
+               "--dilocox-overlap-steps", "1000000",  # land at the boundary: the rounds' exposure is H's alone
                "--dilocox-metrics-file", f"{tmp_path}/metrics_c{{cluster}}.jsonl"]
     t_start = time.monotonic()
     events = {}
@@ -274,4 +275,4 @@ def _print_table(merged, events, step, wall, first_slow, first_fast):
 def _tails(out):
     if "result" not in out:
         return ""
-    return "\n" + "\n".join("\n".join(log.lines[-30:]) for log in out["result"][1])
+    return "\n" + failure_report(out["result"][1])

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_dilocox.launch import run
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
-from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
+from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags
 
 ITERS = 16
 
@@ -35,7 +35,7 @@ def launch(clusters, nproc, megatron, dilocox=None, timeout=420, **kw):
 
 
 def assert_ok(codes, logs):
-    assert codes == [0] * len(codes), "\n".join("\n".join(log.lines[-40:]) for log in logs)
+    assert codes == [0] * len(codes), failure_report(logs)
 
 
 def assert_clusters_agree(tmp_path, clusters, rounds):
@@ -192,7 +192,9 @@ def test_main_job_short(corpus, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))[8:])
     assert summary["clusters_agree"] and summary["rounds"] == 20 // 5
-    assert summary["bytes_ratio_dense_over_sent"] > 20 and summary["validation_loss"][0] < 8.0
+    # the link budget (default) sends the matrices whole in int4 once loopback is measured (rounds 3-4: 7.5x
+    # below dense fp32), low rank before (rounds 1-2: > 100x): over the run (7.5 x 4 / 2) = 15x, and never < 7.5x
+    assert summary["bytes_ratio_dense_over_sent"] > 7.5 and summary["validation_loss"][0] < 8.0
 
 
 def test_evaluation_measures_the_global_model(corpus, tmp_path):
