@@ -58,6 +58,13 @@ class DiLoCoXConfig:
     overlap: str = knob("eager", "none (synchronous DiLoCo), one-step-delay or eager (both: the transfer hidden "
                                  "behind the next round, applied one round late; eager starts that round from a "
                                  "local proxy of the missing average)")
+    # (None, from Python: always at the boundary, timing-free)
+    overlap_steps: Optional[int] = knob(0, "τ: the average of a round is applied τ inner steps into the next "
+                                           "round (the local progress of those τ steps is kept on top of it). "
+                                           "0: twice the measured transfer in steps, in [1, H], each round (the "
+                                           "first two, before a transfer is measured, at 1); N: min(N, H) "
+                                           "(N >= --dilocox-h-max: at the next boundary, the paper's one-step "
+                                           "delay)")
 
     delay_local_weight: Optional[float] = knob(None, "weight w of the cluster's own unsynced progress while its "
                                                      "round is in flight: one-step-delay starts the next round at "
@@ -80,7 +87,12 @@ class DiLoCoXConfig:
                                                  "capped by each matrix's min(rows, cols) and by "
                                                  "--dilocox-min-compression)")
     min_compression: float = knob(100.0, "adaptive rank grows only while a round sends at most dense fp32 "
-                                         "all-reduce bytes / this")
+                                         "all-reduce bytes / this (with --dilocox-link-budget: until the link "
+                                         "is measured)")
+    link_budget: bool = knob(True, "with overlap and adaptive rank: size each round to the measured link, i.e. "
+                                   "send the matrices whole (quantized) when that transfer takes at most half of "
+                                   "--dilocox-overlap-steps (or --dilocox-h-min) inner steps, else the largest rank "
+                                   "that does (README: convergence)")
     lowrank_basis: str = knob("local", "local: each cluster sends its own best rank-r factors (subspace iteration, "
                                         "all-gathered); shared: PowerSGD's one power iteration in a basis all "
                                         "clusters share (README: convergence)")
@@ -187,6 +199,8 @@ class DiLoCoXConfig:
             fail("adaptive_h_margin", f"must be in [0, 10], got {self.adaptive_h_margin}")
         if self.overlap not in OVERLAP_MODES:
             fail("overlap", f"must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
+        if self.overlap_steps is not None:
+            need_int("overlap_steps", 0)
 
         if self.delay_local_weight is not None and not (
                 isinstance(self.delay_local_weight, (int, float)) and 0.0 <= self.delay_local_weight <= 1.0):

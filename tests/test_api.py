@@ -39,8 +39,11 @@ def api_worker(cluster, local_rank, spec):
 @pytest.mark.parametrize("overlap", ["none", "eager"])
 def test_api_equals_the_core_driven_by_hand_and_global_model_is_phi(overlap):
     C, H, steps = 2, 3, 12
+    # two runs compared bitwise: adaptive H, adaptive τ and the link budget follow measured wall times, which differ
+    # between runs (here steps of ~1 ms make the link budget's choice a coin toss), so both are off
     settings = dict(num_clusters=C, secret=SECRET, timeout_seconds=60, adaptive_h=False, h=H, overlap=overlap,
-                    lowrank_rank=2, lowrank_min_dim=8, quant_bits=4, quant_block_size=32)
+                    lowrank_rank=2, lowrank_min_dim=8, quant_bits=4, quant_block_size=32, link_budget=False,
+                    overlap_steps=None)
     api = run_clusters(api_worker, C, 1, args=({"steps": steps, "dilocox": dict(
         settings, rendezvous=f"127.0.0.1:{free_port()}")},), timeout=240)
     ref = run_clusters(train_worker, C, 1, args=({"steps": steps, "inner": "adam", "inner_lr": 0.01, "same_init": True,

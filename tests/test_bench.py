@@ -1,6 +1,6 @@
 """The WAN benchmark's --quick mode (real Megatron, 2 clusters in network namespaces behind a tbf link).
 
-Asserts the table's invariants from its JSON: DiLoCoX sends >= 50x fewer bytes than AllReduce and has
+Asserts the table's invariants from its JSON: DiLoCoX sends >= 37x fewer bytes than AllReduce and has
 higher tokens/s; every method trained the same number of tokens; the cost model's prediction is there.
 """
 import json
@@ -22,9 +22,13 @@ def test_wan_benchmark_quick(tmp_path, kjv):
     assert "quick invariants: ok" in proc.stdout
     out = json.load(open(tmp_path / "results.json"))
     r = out["results"]
-    assert r["dilocox"]["bytes_fewer_than_allreduce"] >= 50
+    # the link budget sends what the link hides in H = 5 steps, at most the matrices whole in int4 (7.5x below
+    # fp32; at this ratio-20 link they fit): >= 5 x 7.5 = 37x below AllReduce, >= 7x below DiLoCo; fixed-rank
+    # compression (diloco_comp, rank 6 int4) >= 50x below DiLoCo
+    assert r["dilocox"]["bytes_fewer_than_allreduce"] >= 37
     assert r["dilocox"]["tokens_per_s"] > r["allreduce"]["tokens_per_s"]
-    assert max(r["dilocox"]["bytes_total"], r["diloco_comp"]["bytes_total"]) * 50 <= r["diloco"]["bytes_total"]
+    assert r["dilocox"]["bytes_total"] * 7 <= r["diloco"]["bytes_total"]
+    assert r["diloco_comp"]["bytes_total"] * 50 <= r["diloco"]["bytes_total"]
     assert out["meta"]["predicted"]["speedup_vs_allreduce"] > 1
     assert (tmp_path / "wan_benchmark.png").stat().st_size > 10_000
 
@@ -53,7 +57,7 @@ def test_tokens_per_s_counts_only_intervals_while_every_cluster_trains():
 def test_convergence_quick(tmp_path, kjv):
     """scripts/bench/convergence.py --quick (real Megatron, loopback): AllReduce, DiLoCo and DiLoCoX at equal
     tokens; its own invariants hold (exit 0) and its JSON says so: every loss falls, every DiLoCo method ends
-    within 10% of AllReduce, DiLoCoX sends >= 50x fewer bytes per round than dense fp32, and both clusters
+    within 10% of AllReduce, DiLoCoX sends >= 7x fewer bytes per round than dense fp32, and both clusters
     evaluated the same global model (identical validation losses)."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench", "convergence.py"), "--quick",
                            "--quiet", "--data", str(kjv), "--out", str(tmp_path)], capture_output=True, text=True,
@@ -77,8 +81,12 @@ def test_convergence_quick(tmp_path, kjv):
     assert dense <= r["diloco"]["bytes_per_round"] <= 1.001 * dense
     assert r["diloco"]["compression_rel_error_mean"] == 0.0
     d = r["dilocox"]
-    assert d["bytes_per_round"] * 50 <= d["dense_fp32_per_round"] and 0 < d["compression_rel_error_mean"] < 1
-    # adaptive rank may grow from 6 up to 4 x 6, but only within the byte budget (dense fp32 / 100 per round)
-    assert d["rank_per_round"] and all(1 <= k <= 24 for k in d["rank_per_round"])
-    assert max(d["bytes_sent_per_round"]) * 100 <= d["dense_fp32_per_round"]
+    # the link budget: rounds 1-2 (before loopback is measured) at rank 6-7 within the byte budget (dense fp32 /
+    # 100); later rounds send what hides in H steps: the matrices whole in int4 (rank 0, 7.5x below fp32) or a
+    # rank up to 4 x 6, never more bytes than the int4 whole payload
+    assert d["bytes_per_round"] * 7 <= d["dense_fp32_per_round"] and 0 < d["compression_rel_error_mean"] < 1
+    assert d["rank_per_round"][:2] and all(1 <= k <= 24 for k in d["rank_per_round"][:2])
+    assert all(k == 0 or 1 <= k <= 24 for k in d["rank_per_round"])
+    assert max(d["bytes_sent_per_round"][:2]) * 100 <= d["dense_fp32_per_round"]
+    assert max(d["bytes_sent_per_round"]) * 7 <= d["dense_fp32_per_round"]
     assert (tmp_path / "convergence.png").stat().st_size > 10_000

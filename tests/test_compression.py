@@ -223,3 +223,50 @@ def test_local_basis_state_roundtrip_resumes_bitwise():
     d = torch.randn(32, 24)
     x, y = a.exchange([d], SoloCollective(), 2).deltas[0], b.exchange([d], SoloCollective(), 2).deltas[0]
     assert torch.equal(x, y) and torch.equal(a.error[0], b.error[0]) and torch.equal(a.q[0], b.q[0])
+
+
+def test_link_rule_sends_whole_when_it_hides_else_the_largest_rank_that_does():
+    sent = {0: 1000, **{r: 10 * r for r in range(1, 65)}}.__getitem__  # bytes per round at rank r (0: whole)
+    rule = adaptive.choose_rank_for_link
+    assert rule(sent, 1.0, 1e-3, 8, 1, 64) == 0  # 1000 B x 1 ms = 1 s: whole fits exactly
+    assert rule(sent, 0.5, 1e-3, 8, 1, 64) == 50  # 500 B of room: the largest rank of <= 500 B
+    assert rule(sent, 0.5, 1e-3, 8, 1, 32) == 32  # ... within rank_max
+    assert rule(sent, 0.001, 1e-3, 8, 2, 64) == 2  # nothing fits: rank_min (adaptive H must then hide it)
+    assert rule(sent, 1.0, 0.0, 8, 1, 64) == 8  # link not measured yet: unchanged
+
+
+@pytest.mark.parametrize("bits", [4, 32])
+def test_rank_zero_sends_the_matrices_whole_and_error_feedback_stays_exact_across_switches(bits):
+    """Rank 0 (the link budget's "whole"): Δ is the (quantized) M itself, e = M − sent, the bytes are the
+    closed form of whole slabs; switching low rank → whole → low rank keeps Σ sent + e = Σ true and keeps Q
+    (the warm start) through the whole rounds."""
+    from megatron_dilocox.compression.codec import HEADER_BYTES
+    from megatron_dilocox.compression.quantize import dequantize, payload_bytes, quantize
+    n, m, rank = 64, 48, 3
+    codec = codec_for((n, m), rank, bits=bits)
+    assert codec.payload_sizes(0) == (payload_bytes(n * m, bits, 64), 0)
+    for C in (2, 3):
+        assert codec.round_bytes(0, C) == (
+            (C - 1) * (HEADER_BYTES + payload_bytes(n * m, bits, 64)) if bits != 32
+            else (C - 1) * HEADER_BYTES + 2 * (C - 1) * 4 * n * m // C)  # fp32: the header, then an all-reduce
+    at_rank_3 = codec.round_bytes(3, 2)
+    codec.set_rank(0, 1)
+    assert codec.round_bytes(3, 2) == at_rank_3  # the closed form of a rank does not depend on the rank in use
+    codec.set_rank(3, 1)
+    g = torch.Generator().manual_seed(5)
+    true_sum, sent_sum = torch.zeros(n, m), torch.zeros(n, m)
+    for t, r in enumerate([3, 3, 0, 0, 3, 0], start=1):
+        if r == 0 and codec.rank:
+            q_kept = codec.q[0].clone()
+        codec.set_rank(r, t)
+        delta = torch.randn(n, m, generator=g) * 0.01
+        M = delta + codec.error[0]
+        out = codec.exchange([delta], SoloCollective(), t)
+        assert out.rank == r
+        if r == 0:
+            whole = M if bits == 32 else dequantize(quantize(M.reshape(-1), bits, 64), n * m, bits, 64).view(n, m)
+            assert torch.equal(out.deltas[0], whole) and torch.equal(codec.error[0], M - whole)
+            assert torch.equal(codec.q[0], q_kept)  # untouched while the matrices travel whole
+        true_sum += delta
+        sent_sum += out.deltas[0]
+    assert torch.allclose(sent_sum + codec.error[0], true_sum, atol=1e-5)

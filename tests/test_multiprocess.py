@@ -16,8 +16,9 @@ SECRET = "test-secret"
 
 
 def spec(C, **dilocox):
+    # timing-free: fixed H, and a delayed round lands at the boundary (adaptive τ follows wall times)
     base = dict(num_clusters=C, rendezvous=f"127.0.0.1:{free_port()}", secret=SECRET, timeout_seconds=60,
-                adaptive_h=False)
+                adaptive_h=False, overlap_steps=None)
     base.update(dilocox)
     return base
 
@@ -198,6 +199,39 @@ def test_background_transfer_overlaps_with_inner_steps():
     assert first["comm_seconds"] >= 0.9 and first["exposed_comm_seconds"] < 0.2 * first["comm_seconds"]
 
 
+@pytest.mark.parametrize("link", ["fast", "high-latency"])
+def test_link_budget_sends_whole_on_a_fast_link_and_compresses_on_a_high_latency_one(tmp_path, link):
+    """--dilocox-link-budget (default): rounds 1-2 at the initial rank (the link is measured from round 1 on, and
+    round 2's header is the first to carry it); from round 3 the rank fits the measured link in H steps of
+    0.1 s (the time a transfer may take: H x T_step / 2 = 0.15 s). Loopback moves these few KiB in well under a
+    millisecond, so the matrices go whole (rank 0); an all-gather delayed 0.5 s (latency, no bandwidth: the
+    rule, which scales the measured time with the bytes, sees 0.5 s for a round of rank 4 and must shrink) drives
+    the rank down to --dilocox-lowrank-rank-min. Bytes equal the closed form of each row's rank; the clusters
+    agree bitwise after every round."""
+    C, rank, bits, block = 2, 4, 4, 32
+    res = run(C, steps=24, step_sleep=0.1, metrics_dir=str(tmp_path), slow_gather=0.5 if link == "high-latency" else 0.0,
+              dilocox=spec(C, h=3, lowrank_rank=rank, lowrank_min_dim=8, quant_bits=bits, quant_block_size=block,
+                           overlap="one-step-delay", lowrank_rank_min=1))
+    assert_no_errors(res)
+    rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
+    ranks = [r["lowrank_rank"] for r in rows0]
+    assert ranks[:2] == [rank, rank]
+    if link == "fast":
+        assert set(ranks[2:]) == {0}, ranks
+    else:
+        assert ranks[-1] == 1 and all(a >= b > 0 for a, b in zip(ranks, ranks[1:])), ranks
+    for a, b in zip(rows0, rows1):
+        assert a["global_model_hash"] == b["global_model_hash"] and a["lowrank_rank"] == b["lowrank_rank"]
+        r = a["lowrank_rank"]
+        if r == 0:  # both matrices whole, then both biases whole
+            payload = sum(payload_bytes(n, bits, block) for n in (IN * HIDDEN, HIDDEN * OUT, HIDDEN + OUT))
+        else:  # P and Q' of both matrices, the biases, the energy statistics: one all-gather (local basis)
+            payload = sum(payload_bytes(n, bits, block) for n in (HIDDEN * r, OUT * r, HIDDEN + OUT, IN * r,
+                                                                  HIDDEN * r)) + 4 * (r + 1)
+        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload), (r, a["bytes_sent"])
+    assert all(torch.equal(x, y) for x, y in zip(res[(0, 0)]["final_params"], res[(1, 0)]["final_params"]))
+
+
 def test_wrong_secret_is_refused_with_clear_error():
     C = 2
     s = dict(dilocox=spec(C, timeout_seconds=6), secrets=[SECRET, "not-the-secret"])
@@ -259,3 +293,15 @@ def test_payload_of_wrong_round_or_dtype_is_refused_on_every_cluster_and_the_run
             f" stopped: refused payload: {expected}" in out["error"], out["error"]
         assert [r["status"][:40] for r in out["rows"]] == [f"stopped: refused payload: {expected}"[:40]]
         assert all(torch.equal(a, s) for a, s in zip(out["final_anchor"], out["start_params"]))
+
+
+def test_free_port_lies_below_the_ephemeral_range_and_is_bindable():
+    """Ports from bind(0) share the range outgoing connections draw source ports from; ours must not."""
+    import socket
+
+    from megatron_dilocox.local_launch import _ephemeral_low
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50  # never the same port twice in one process
+    assert all(1024 <= p < _ephemeral_low() for p in ports)
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", ports[-1]))

@@ -1,4 +1,6 @@
 """Outer optimizer and the round logic in one process (C=1): reductions to plain training, resume."""
+import math
+
 import pytest
 import torch
 
@@ -55,11 +57,13 @@ def train(steps, dilocox=None, inner="adam", save_at=None, load=None):
     return losses, [p.detach().clone() for p in model.parameters()], saved, sync
 
 
-@pytest.mark.parametrize("overlap", ["none", "one-step-delay", "eager"])
-def test_single_cluster_reproduces_plain_training(overlap):
+@pytest.mark.parametrize("overlap,tau", [("none", None), ("one-step-delay", None), ("eager", None),
+                                         ("one-step-delay", 2), ("eager", 1)])
+def test_single_cluster_reproduces_plain_training(overlap, tau):
+    """C = 1, outer lr 1, no momentum: every round (landing at H or τ < H steps in) gives back θ."""
     plain_losses, plain_params, _, _ = train(24)
     cfg = dict(h=4, overlap=overlap, lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0,
-               adaptive_h=False)
+               adaptive_h=False, overlap_steps=tau)
     losses, params, _, sync = train(24, cfg)
     assert sync.round == 6
     # Not bitwise: θ is rebuilt as φ − (φ − θ) at each boundary, which rounds in fp32 (|θ| <= ~1 here,
@@ -68,14 +72,16 @@ def test_single_cluster_reproduces_plain_training(overlap):
     assert max(float((a - b).abs().max()) for a, b in zip(params, plain_params)) < 1e-6
 
 
-@pytest.mark.parametrize("overlap", ["none", "one-step-delay", "eager"])
-def test_resume_from_state_dict_mid_round_is_bitwise_identical(overlap):
-    """Save while a delayed round is in flight (step 10, H=4), resume in a fresh sync: same bits."""
+@pytest.mark.parametrize("overlap,tau,save_at", [("none", None, 10), ("one-step-delay", None, 10),
+                                                 ("eager", None, 10), ("eager", 3, 9), ("eager", 3, 11)])
+def test_resume_from_state_dict_mid_round_is_bitwise_identical(overlap, tau, save_at):
+    """Save while a delayed round is in flight (step 10, H=4; with τ = 3: step 9, before it lands at 11, and
+    step 11, after), resume in a fresh sync: same bits."""
     cfg = dict(h=4, overlap=overlap, lowrank_rank=2, lowrank_min_dim=8, quant_bits=4, quant_block_size=32,
-               adaptive_h=False, adaptive_rank=True, lowrank_rank_max=4)
-    full_losses, full_params, saved, _ = train(20, cfg, save_at=10)
+               adaptive_h=False, adaptive_rank=True, lowrank_rank_max=4, overlap_steps=tau)
+    full_losses, full_params, saved, _ = train(20, cfg, save_at=save_at)
     resumed_losses, resumed_params, _, _ = train(20, cfg, load=saved)
-    assert resumed_losses == full_losses[10:]
+    assert resumed_losses == full_losses[save_at:]
     assert all(torch.equal(a, b) for a, b in zip(resumed_params, full_params))
 
 
@@ -97,3 +103,51 @@ def test_diverged_inner_training_raises_and_leaves_the_global_model():
     with pytest.raises(DivergedError, match="round 1: this cluster's pseudo-gradient has NaN/Inf"):
         sync.after_inner_step()
     assert all(torch.equal(a, b) for a, b in zip(anchor, sync.anchor))
+
+
+def test_round_lands_tau_steps_into_the_next_round_with_the_local_progress_kept():
+    """H = 4, τ = 2: round t (launched at 4t) lands at 4t + 2, and θ = φ_new + (θ − θ_s) exactly."""
+    model = make_model(0)
+    opt = make_inner(model, "adam", 0.01)
+    cfg = DiLoCoXConfig(h=4, overlap="one-step-delay", lowrank=False, quant_bits=32, outer_lr=0.7,
+                        adaptive_h=False, overlap_steps=2)
+    params = [p.data for p in model.parameters()]
+    sync = DiLoCoXSync(params, cfg).start()
+    for step in range(14):
+        loss = loss_fn(model, *batch(0, 0, step))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step + 1 in (6, 10):  # the landing steps: predict θ from the state just before
+            before = [p.clone() for p in params]
+            start = [s.clone() for s in sync.round_start]
+            sync._in_flight.result()  # (finished now, so the prediction below sees the same φ)
+        changed = sync.after_inner_step()
+        assert changed == (step + 1 in (4, 6, 8, 10, 12, 14))
+        if step + 1 in (6, 10):
+            assert all(torch.equal(p, a + (b - s)) for p, a, b, s in zip(params, sync.anchor, before, start))
+            assert all(torch.equal(s, a) for s, a in zip(sync.round_start, sync.anchor))
+    assert [r["iteration"] for r in sync.rows] == [6, 10, 14]  # round 3 landed at 14 = 12 + 2
+    assert [r["round"] for r in sync.rows] == [1, 2, 3]
+    sync.close()
+
+
+def test_adaptive_tau_follows_the_measured_transfer(monkeypatch):
+    """--dilocox-overlap-steps 0: rounds 1 and 2 land one step in (a payload carries the transfer
+    time of the round before it, so round 2's is the first with one), later ones at
+    clamp(ceil(2 T_comm / T_step), 1, H) from the figures in the payload. The figures are wall times (an
+    in-process transfer is microseconds on an idle host, can be a step on a loaded one), so the expected
+    landing steps are computed from the figures each round really carried."""
+    seen = []
+    adapt = DiLoCoXSync._adapt
+
+    def recording_adapt(self, result):
+        seen.append((result.peer_comm_seconds, result.peer_step_seconds))
+        adapt(self, result)
+    monkeypatch.setattr(DiLoCoXSync, "_adapt", recording_adapt)
+    _, _, _, sync = train(16, dict(h=4, overlap="eager", lowrank=False, quant_bits=32, overlap_steps=0))
+    assert seen[0][0] == 0.0 and seen[1][0] > 0  # round 1 carries no transfer time, round 2 the first
+    tau_after_round_2 = min(4, max(1, math.ceil(2 * seen[1][0] / seen[1][1])))
+    assert [r["iteration"] for r in sync.rows][:2] == [5, 9]
+    assert sync.rows[2]["iteration"] == 12 + tau_after_round_2
+    assert sync.h == 4

@@ -10,6 +10,9 @@ Per rank the codec owns the error-feedback buffers e and the warm-start Q of eve
     phase 2: Q' = M^T P^, quantized, averaged in fp32  (+ energy statistics for adaptive rank)
     Δ = P^ mean(Q')^T  and  mean(whole);   e = M - (what this cluster actually transmitted)
 
+At rank 0 (``--dilocox-link-budget`` chose it: the link carries the matrices whole) every slab is sent whole,
+quantized, in phase 1 alone; Q is kept as the warm start for when a rank returns.
+
 Quantized payloads (4/8/16 bits) travel by all-gather and are summed locally in fp32 in cluster order, so
 no low-precision sum can overflow and every cluster gets bitwise the same Δ; fp32 payloads use a ring
 all-reduce (fewer bytes for C > 2). Error feedback is local (Vogels et al., 2019): the decompression of
@@ -43,7 +46,8 @@ from megatron_dilocox.compression.quantize import bytes_as, dequantize, payload_
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 
 MAGIC = 0x44694C6F  # "DiLo"
-HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step_seconds", "reserved")
+HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step_seconds",
+                 "seconds_per_byte")
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
 
 
@@ -66,6 +70,9 @@ class ExchangeResult:
     next_rank: int = 0
     peer_comm_seconds: float = 0.0  # max over clusters of the previous round's transfer time
     peer_step_seconds: float = 0.0  # max over clusters of the mean inner-step time
+    peer_seconds_per_byte: float = 0.0  # max over clusters of the link's measured seconds per payload byte
+    wire_seconds: float = 0.0  # time in the payload collectives (after the header): the link's share of the round
+    wire_bytes: int = 0  # bytes sent by those collectives
     comm_seconds: float = 0.0  # wall time of this exchange (set by the caller that timed it)
     peer_wait_seconds: float = 0.0  # of it, until the header all-gather returned: mostly the wait for the last cluster
     transfer_seconds: float = 0.0  # the committed attempt without that wait (what adaptive H should hide)
@@ -132,10 +139,14 @@ class PseudoGradientCodec(LocalBasisExchange):
         return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)  # 48 bits: exact in float64
 
     def payload_sizes(self, rank: Optional[int] = None) -> tuple[int, int]:
-        """Bytes this rank contributes to phase 1 and phase 2 at ``rank`` (closed form)."""
+        """Bytes this rank contributes to phase 1 and phase 2 at ``rank`` (closed form; rank 0: every matrix
+        sent whole, in phase 1)."""
         r = self.rank if rank is None else rank
         bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
         whole = sum(self.numels[i] for i in self.whole)
+        if r == 0:
+            return sum(payload_bytes(len(g.members) * g.rows * g.cols, bits, block) for g in self.groups) + (
+                payload_bytes(whole, bits, block) if whole else 0), 0
         p1 = sum(payload_bytes(len(g.members) * g.rows * r, bits, block) for g in self.groups)
         p1 += payload_bytes(whole, bits, block) if whole else 0
         p2 = sum(payload_bytes(len(g.members) * g.cols * r, bits, block) for g in self.groups)
@@ -146,32 +157,42 @@ class PseudoGradientCodec(LocalBasisExchange):
     def one_phase(self) -> bool:
         """The local basis with matrices to factor: one all-gather of P, Q' and the whole tensors, in every
         precision (the shared basis, or nothing low-rank, sends two phases and all-reduces fp32)."""
-        return bool(self.groups) and self.cfg.lowrank_basis == "local"
+        return self._one_phase_at(self.rank)
+
+    def _one_phase_at(self, rank: int) -> bool:
+        return bool(self.groups) and self.cfg.lowrank_basis == "local" and rank != 0
 
     def round_bytes(self, rank: int, clusters: int) -> int:
-        """Bytes this rank sends in one round at ``rank`` (closed form: header + both phases)."""
+        """Bytes this rank sends in one round at ``rank`` (closed form: header + both phases; rank 0: phase 1)."""
         p1, p2 = self.payload_sizes(rank)
-        if self.cfg.quant_bits == 32 and not self.one_phase:
+        if self.cfg.quant_bits == 32 and not self._one_phase_at(rank):
             return allgather_bytes(HEADER_BYTES, clusters) + allreduce_bytes(p1, clusters) + allreduce_bytes(p2, clusters)
         return allgather_bytes(HEADER_BYTES + p1 + p2, clusters)
 
-    def _rank_cap(self, clusters: int) -> int:
+    def _rank_cap(self, clusters: int, budget: bool = True) -> int:
         """Adaptive rank's ceiling: --dilocox-lowrank-rank-max, each matrix's min(rows, cols) when that flag is
-        left to its default, and the largest rank whose round stays within dense fp32 / --dilocox-min-compression
-        (never below the initial rank: an explicit rank is the user's choice)."""
+        left to its default, and (``budget``) the largest rank whose round stays within dense fp32 /
+        --dilocox-min-compression (never below the initial rank: an explicit rank is the user's choice)."""
         cap = self.cfg.resolved_rank_max
         if self.cfg.lowrank_rank_max is None and self.groups:
             cap = min(cap, min(min(g.rows, g.cols) for g in self.groups))
-        if clusters > 1 and self.groups:
+        if clusters > 1 and self.groups and budget:
             budget = dense_allreduce_bytes(sum(self.numels), clusters) / self.cfg.min_compression
             while cap > self.rank and self.round_bytes(cap, clusters) > budget:
                 cap -= 1
         return max(cap, self.rank)
 
     def set_rank(self, rank: int, round_idx: int):
+        """Rank 0 sends the matrices whole and keeps Q as it is, the warm start for when the rank returns."""
         if rank != self.rank:
-            self.q = [lowrank.resize_q(q, rank, self.cfg.seed, gi, round_idx) for gi, q in enumerate(self.q)]
+            if rank:
+                self.q = [lowrank.resize_q(q, rank, self.cfg.seed, gi, round_idx) for gi, q in enumerate(self.q)]
             self.rank = rank
+
+    def link_rank(self, seconds: float, seconds_per_byte: float, clusters: int) -> int:
+        """--dilocox-link-budget: the rank (0: whole) whose round the measured link carries in ``seconds``."""
+        return adaptive.choose_rank_for_link(lambda r: self.round_bytes(r, clusters), seconds, seconds_per_byte,
+                                             self.rank, self.cfg.resolved_rank_min, self._rank_cap(clusters, budget=False))
 
     def _views(self, slabs) -> list:
         """Per-tensor views (parameter order) of slabs laid out as ``self._err``."""
@@ -193,7 +214,8 @@ class PseudoGradientCodec(LocalBasisExchange):
 
     # ---------------------------------------------------------------------------------- exchange
     def exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
-                 comm_seconds_prev: float = 0.0, step_seconds: float = 0.0) -> ExchangeResult:
+                 comm_seconds_prev: float = 0.0, step_seconds: float = 0.0,
+                 seconds_per_byte_prev: float = 0.0) -> ExchangeResult:
         t_enter = time.perf_counter()
         C = coll.size
         sent0, recv0 = coll.counter.sent, coll.counter.received
@@ -212,6 +234,7 @@ class PseudoGradientCodec(LocalBasisExchange):
         def finish(status: Optional[str] = None) -> ExchangeResult:
             result.bytes_sent = coll.counter.sent - sent0
             result.bytes_received = coll.counter.received - recv0
+            result.wire_seconds, result.wire_bytes = coll.counter.seconds - wire0[0], coll.counter.sent - wire0[1]
             if status is not None:
                 result.status, result.deltas = status, None
                 if local_ok:  # keep this round's progress for the next round instead of losing it
@@ -219,17 +242,19 @@ class PseudoGradientCodec(LocalBasisExchange):
             return result
 
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
-                               comm_seconds_prev, step_seconds, 0.0], dtype=torch.float64)
+                               comm_seconds_prev, step_seconds, seconds_per_byte_prev], dtype=torch.float64)
         headers = [bytes_as(h, torch.float64) for h in coll.all_gather(header.view(torch.uint8))]
         result.peer_wait_seconds = time.perf_counter() - t_enter
+        wire0 = (coll.counter.seconds, coll.counter.sent)
         self._check_headers(headers, header, coll)
         result.peer_comm_seconds = max(float(h[5]) for h in headers)
         result.peer_step_seconds = max(float(h[6]) for h in headers)
+        result.peer_seconds_per_byte = max(float(h[7]) for h in headers)
         bad = [c for c, h in enumerate(headers) if h[4] != 1.0]
         if bad:
             return finish(f"refused: non-finite pseudo-gradient from cluster(s) {bad}")
 
-        G = len(self.groups)
+        G = len(self.groups) if self.rank else 0  # rank 0: the matrices travel whole, like the small tensors
         if self.one_phase:
             refused, out, e_sq = self._exchange_local(M, m_sq, coll, result)
             if refused:
@@ -237,8 +262,8 @@ class PseudoGradientCodec(LocalBasisExchange):
             return self._commit(M, out, e_sq, m_sq, result, finish)
         # factors travel column by column ([B, r, n]): a column's entries share a scale (its singular
         # value), so quantization blocks never mix a large column with a small one
-        pieces1 = [torch.bmm(m, q).transpose(1, 2) for m, q in zip(M, self.q)]
-        pieces1 += M[G:]  # the whole tensors, already one flat slab
+        pieces1 = [torch.bmm(m, q).transpose(1, 2) for m, q in zip(M[:G], self.q)]
+        pieces1 += M[G:]  # the whole tensors, already one flat slab (at rank 0 also the matrix slabs)
         sums1, sent1, _ = self._reduce(pieces1, [], coll)
         if not all(map(_finite, sums1)):
             return finish("refused: non-finite values in the averaged phase-1 payload")
@@ -265,9 +290,10 @@ class PseudoGradientCodec(LocalBasisExchange):
                 result.next_rank = adaptive.choose_rank(
                     stat_sum[:-1].tolist(), float(stat_sum[-1]), self.rank, self.cfg.energy_threshold,
                     self.cfg.resolved_rank_min, self.rank_cap)
-        if self.whole:
-            out.append(sums1[G] / C)
-            e_sq[G] = _sumsq(M[G].sub_(sent1[G]))  # e = M - what this cluster transmitted
+        for k in range(G, len(M)):  # the slabs sent whole
+            out.append(torch.div(sums1[k], C, out=self._slab(self._out, k, M[k].shape)) if k < len(self.groups)
+                       else sums1[k] / C)
+            e_sq[k] = _sumsq(M[k].sub_(sent1[k]))  # e = M - what this cluster transmitted
 
         return self._commit(M, out, e_sq, m_sq, result, finish)
 

@@ -10,6 +10,7 @@ plain data parallelism would pay for the same tensors.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ def dense_allreduce_bytes(numel: int, size: int) -> int:
 class ByteCounter:
     sent: int = 0
     received: int = 0
+    seconds: float = 0.0  # wall time inside the collectives (the wire, and any wait for a peer)
 
     def add(self, n: int):
         self.sent += n
@@ -49,12 +51,20 @@ class Collective:
     def all_gather(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Every member's ``buf`` (all the same size), in member order."""
         self.counter.add(allgather_bytes(buf.numel() * buf.element_size(), self.size))
-        return self._all_gather(buf)
+        t0 = time.perf_counter()
+        try:
+            return self._all_gather(buf)
+        finally:
+            self.counter.seconds += time.perf_counter() - t0
 
     def all_reduce_sum(self, buf: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over members; bitwise identical on every member."""
         self.counter.add(allreduce_bytes(buf.numel() * buf.element_size(), self.size))
-        return self._all_reduce_sum(buf)
+        t0 = time.perf_counter()
+        try:
+            return self._all_reduce_sum(buf)
+        finally:
+            self.counter.seconds += time.perf_counter() - t0
 
     def broadcast(self, buf: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``buf`` of member ``src`` everywhere (used once, at start, for the anchor)."""

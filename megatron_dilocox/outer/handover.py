@@ -4,7 +4,7 @@ Admission happens in the verdict of round t (membership.py), so the members hold
 momentum as they were *before* round t's Δ is applied, the committed Δ_t itself, the codec's Q after
 round t, the rank and H in use, and the iteration at which round t was launched. The joiner takes all
 of it, starts its error feedback at zero and its θ at φ, and then applies Δ_t exactly when the members
-do (at once without overlap, at its next boundary with the one-step delay), so from that boundary on
+do (at once without overlap, τ steps into its next round with the delay), so from that boundary on
 every cluster holds bitwise the same φ. Sent by broadcast from the group's first member that was
 there before the admission (cluster 0, or the lowest surviving id when cluster 0 is the one rejoining)
 over the new epoch's group: first a small fp64 header (sizes depend on the rank), then one fp32 buffer.
@@ -17,7 +17,7 @@ from megatron_dilocox.compression.codec import ExchangeResult
 from megatron_dilocox.outer.nesterov import OuterNesterov
 
 _HEADER = ("round", "iteration", "h", "rank", "has_momentum", "has_deltas", "next_rank", "peer_comm_seconds",
-           "peer_step_seconds", "num_clusters")
+           "peer_step_seconds", "num_clusters", "tau", "q_rank", "peer_seconds_per_byte")
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -28,7 +28,8 @@ def send(sync, result: ExchangeResult, iteration: int):
     """(Members) broadcast the state a joiner needs; called right after the group admitted it."""
     buf, src = sync.outer.buf, getattr(sync.group, "handover_src", 0)
     values = [result.round, iteration, sync.h, sync.codec.rank, buf is not None, result.deltas is not None,
-              result.next_rank, result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters]
+              result.next_rank, result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters, sync.tau,
+              sync.codec.q[0].shape[-1] if sync.codec.q else 0, result.peer_seconds_per_byte]
     sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=src)
     parts = list(sync.anchor) + (list(buf) if buf is not None else []) + list(sync.codec.q) + list(result.deltas or [])
     sync.group.broadcast(_flat(parts), src=src)
@@ -39,8 +40,8 @@ def receive(sync) -> ExchangeResult:
     src = getattr(sync.group, "handover_src", 0)
     head = dict(zip(_HEADER, sync.group.broadcast(torch.zeros(len(_HEADER), dtype=torch.float64), src=src).tolist()))
     codec = sync.codec
-    rank = int(head["rank"])
-    q_shapes = [(len(g.members), g.cols, rank) for g in codec.groups]
+    rank = int(head["rank"])  # 0: the matrices travel whole; Q keeps the last rank's warm start (q_rank)
+    q_shapes = [(len(g.members), g.cols, int(head["q_rank"])) for g in codec.groups]
     numels = [p.numel() for p in sync.params]
     sizes = numels * (1 + int(head["has_momentum"])) + [b * c * r for b, c, r in q_shapes]
     sizes += numels if head["has_deltas"] else []
@@ -57,7 +58,9 @@ def receive(sync) -> ExchangeResult:
     codec.error = [torch.zeros_like(e) for e in codec.error]
     deltas = [next(pieces).view(s).clone() for s in shapes] if head["has_deltas"] else None
     sync.round, sync.iteration, sync.h = int(head["round"]), int(head["iteration"]), int(head["h"])
+    sync.tau = int(head["tau"])  # the joiner lands round t's Δ at the same step τ as the members
     return ExchangeResult(round=sync.round, deltas=deltas, status="applied" if deltas is not None else
                           "refused: (before this cluster rejoined)", num_clusters=int(head["num_clusters"]),
                           rank=rank, next_rank=int(head["next_rank"]), launched_at=sync.iteration,
-                          peer_comm_seconds=head["peer_comm_seconds"], peer_step_seconds=head["peer_step_seconds"])
+                          peer_comm_seconds=head["peer_comm_seconds"], peer_step_seconds=head["peer_step_seconds"],
+                          peer_seconds_per_byte=head["peer_seconds_per_byte"])

@@ -10,14 +10,24 @@
             Δ_t ← exchange(δ_t)                          (compress δ_t + e, average over clusters, update e)
             φ ← Outer(φ, Δ_t);  θ ← φ
         overlap=one-step-delay or eager:
-            if round t−1 in flight: Δ_{t−1} ← wait();  φ ← Outer(φ, Δ_{t−1})
+            if round t−1 in flight: land()                (τ = H: it lands at this boundary)
             launch exchange(δ_t) in the background
             one-step-delay:  θ ← φ − w δ_t                (newest global model + my unsynced progress, w = 1)
             eager:           c ← Outer_c(c, w (δ_t − δ_{t−1}));  θ ← φ + c
                              (Kale et al. 2025: Outer applied to the proxy Δ_{t−1} + (δ_t − δ_{t−1})/C, i.e. the
                              last average with my stale term replaced by my fresh one, is w = 1/C; the
                              default (1 + 1/C)/2 measured better)
-        r, H_{t+1} ← adapt(values every cluster received in the same payload)
+            θ_s ← θ
+    τ inner steps after the boundary (τ ≤ H), land():
+        Δ_t ← wait();  φ ← Outer(φ, Δ_t)
+        θ ← φ + (θ − θ_s);  θ_s ← φ                       (the real average replaces the stand-in; the τ
+                                                           steps of local progress stay, and the next δ
+                                                           counts them)
+    after each landing: r, H, τ ← adapt(values every cluster received in the same payload)
+
+τ = H by default (the one-step delay); --dilocox-overlap-steps N lands it earlier, 0 as early as twice the
+measured transfer allows (Streaming DiLoCo's overlap of τ inner steps, Douillard et al. 2025): the stand-in
+is trained on only until the real average is here.
 
 The background exchange runs in one worker thread; the caller keeps training while it runs. Only that
 thread uses the inter-cluster group and the codec's state until ``wait()`` returns it.
@@ -38,11 +48,21 @@ from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import handover
+from megatron_dilocox.outer import handover, report
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
 
 log = logging.getLogger("megatron_dilocox")
+
+
+# τ leaves twice the measured transfer: τ is sized from a transfer one round old (as H is), and a wait at τ
+# stalls training, while a τ one step longer only keeps the stand-in one step longer (byte model, H=20: τ = 1
+# +0.7% vs synchronous DiLoCo, τ = 5 +1.3%, τ = H +1.5%)
+TAU_MARGIN = 1.0
+# the link budget sizes a round's transfer to half the steps it has to hide in: the rate it scales comes from
+# earlier rounds' payloads and varies (a tbf bucket's burst, host load, the other cluster's compute); with the
+# adaptive-H margin (10%) instead, the ratio-325 link at H=10 exposed ~10% of wall time and H rose to 15
+LINK_MARGIN = 1.0
 
 
 class DivergedError(FloatingPointError):
@@ -62,10 +82,13 @@ class DiLoCoXSync:
         self.outer_device = torch.device("cpu") if config.outer_state_device == "cpu" else self.device
         self.codec = PseudoGradientCodec([p.shape for p in self.params], config, device=self.device)
         self.delayed = config.overlap != "none"  # one-step-delay or eager: the exchange overlaps the next round
+        # a synchronous round cannot hide its transfer, so only an overlapped one is sized to the link
+        self.link_budget = config.link_budget and self.delayed and config.adaptive_rank
         self.eager = config.overlap == "eager"
         self.local_weight = config.resolved_local_weight  # w: 1 for one-step-delay, (1 + 1/C)/2 for eager
         self.correction: Optional[LocalCorrection] = None  # eager: this cluster's fresh-term proxy
         self.h = config.h
+        self.tau = self._initial_tau(config.h)  # τ: landing step of the round in flight (≤ H)
         self.round = 0  # rounds completed (launched) so far
         self.steps_in_round = 0
         self.iteration = 0
@@ -73,6 +96,7 @@ class DiLoCoXSync:
         self.round_start: list[torch.Tensor] = []
         self.outer: Optional[OuterNesterov] = None
         self.comm_seconds_prev = 0.0
+        self.seconds_per_byte_prev = 0.0  # the link's measured rate (smoothed), for --dilocox-link-budget
         self.step_seconds = 0.0  # EMA of the inner-step time (between hooks)
         self._last_hook = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
@@ -143,6 +167,9 @@ class DiLoCoXSync:
         if self.steps_in_round >= self.h:
             self.boundary()
             changed = True
+        elif self.delayed and self.steps_in_round == self.tau and (self._in_flight or self._done):
+            self.land()
+            changed = True
         self._last_hook = time.perf_counter()
         return changed
 
@@ -165,14 +192,36 @@ class DiLoCoXSync:
                 result = self.wait()
                 self._apply(result, exposed=time.perf_counter() - t0)
                 if self.stopped:  # round t−1 dropped everywhere: keep its δ as error feedback, launch nothing
-                    self.codec.error = [e + d.to(e.device) for e, d in zip(self.codec.error, self._launched_delta)]
+                    self._keep_dropped_delta()
                     self.round -= 2
-                    self._launched_delta = None
                     return
             self._launched_delta = delta
             self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration)
             self._set_params(self._local_start(delta))
             self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
+
+    @torch.no_grad()
+    def land(self):
+        """τ < H steps into the round: apply the round in flight now, and keep the τ steps of progress made
+        from the stand-in on top of the real φ (θ ← φ + θ − θ_s; θ_s ← φ)."""
+        t0 = time.perf_counter()
+        result = self.wait()
+        self._apply(result, exposed=time.perf_counter() - t0)
+        if self.stopped:  # dropped everywhere: its δ stays as error feedback, θ goes on from the stand-in
+            self._keep_dropped_delta()
+            self.round -= 1
+            return
+        self._launched_delta = None
+        theta = [a.to(p.device) + (p.float() - s.to(p.device))
+                 for a, p, s in zip(self.anchor, self.params, self.round_start)]
+        self._set_params(theta)
+        for s, a in zip(self.round_start, self.anchor):
+            s.copy_(a)
+
+    def _keep_dropped_delta(self):
+        """A round dropped everywhere: its δ joins the error feedback, so the next round sends it."""
+        self.codec.error = [e + d.to(e.device) for e, d in zip(self.codec.error, self._launched_delta)]
+        self._launched_delta = None
 
     def _local_start(self, delta) -> list:
         """θ for the next round while round t's average is in flight: φ plus a local stand-in for it.
@@ -229,7 +278,7 @@ class DiLoCoXSync:
             attempt_start = time.perf_counter()
             try:
                 result, outcome = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev,
-                                                      self.step_seconds), "ok"
+                                                      self.step_seconds, self.seconds_per_byte_prev), "ok"
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
             except PayloadError as exc:
                 result, outcome = None, f"refused:{exc}"
@@ -273,6 +322,10 @@ class DiLoCoXSync:
         transfer = result.transfer_seconds
         self.comm_seconds_prev = (transfer if self.comm_seconds_prev == 0
                                   else 0.5 * self.comm_seconds_prev + 0.5 * transfer)
+        if result.wire_bytes > 0:
+            rate = result.wire_seconds / result.wire_bytes
+            self.seconds_per_byte_prev = (rate if self.seconds_per_byte_prev == 0
+                                          else 0.5 * self.seconds_per_byte_prev + 0.5 * rate)
         if result.status.startswith("stopped"):
             self.stopped = (f"DiLoCoX round {result.round} {result.status} (--dilocox-on-peer-failure "
                             f"{self.cfg.on_peer_failure}); the global model was not changed")
@@ -297,9 +350,31 @@ class DiLoCoXSync:
         if self.cfg.adaptive_h:
             h = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, self.h,
                                   self.cfg.adaptive_h_margin, self.cfg.resolved_h_min, self.cfg.resolved_h_max)
-        h, rank = (int(v) for v in self.intra.reduce([h, result.next_rank], "max"))
-        self.h = h
+        tau = self._fixed_tau(h)
+        if self.cfg.overlap_steps == 0:  # as short as the measured transfer allows
+            tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, self.tau, TAU_MARGIN, 1, h)
+        rank = result.next_rank
+        if self.link_budget and not self.codec.groups:
+            rank = 0  # nothing low-rank on this rank: no say in the cluster's max below
+        elif self.link_budget and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
+            # the rank (0: whole) the link carries in the steps the round has to hide in
+            hide = self._fixed_tau(self.cfg.resolved_h_min)  # τ when fixed, else the H you asked for
+            rank = self.codec.link_rank(hide * result.peer_step_seconds / (1.0 + LINK_MARGIN),
+                                        result.peer_seconds_per_byte, result.num_clusters)
+        h, rank, tau = (int(v) for v in self.intra.reduce([h, rank, tau], "max"))
+        self.h, self.tau = h, min(tau, h)
         self.codec.set_rank(rank, result.round)
+
+    def _fixed_tau(self, h: int) -> int:
+        """--dilocox-overlap-steps N: min(N, H); for 0 (adaptive, the default) the most a round may take: H."""
+        return h if not self.cfg.overlap_steps else min(self.cfg.overlap_steps, h)
+
+    def _initial_tau(self, h: int) -> int:
+        """τ of the rounds before a transfer is measured. Adaptive: 1, land as soon as possible. Landing the
+        first two rounds at H instead leaves the global model a round behind early, when a round moves it
+        most (H=50, 1000 Megatron iterations, final validation: docs 4.747 -> 4.700, KJV 4.063 -> 4.079;
+        README, "Convergence"). A transfer longer than a step then waits at step 1, twice per run."""
+        return 1 if self.cfg.overlap_steps == 0 else self._fixed_tau(h)
 
     def _restart_round_at_anchor(self):
         """The next δ is measured from φ (in none mode the round start *is* the anchor); no local proxy."""
@@ -316,36 +391,15 @@ class DiLoCoXSync:
         return self.anchor
 
     def model_hash(self) -> str:
-        h = hashlib.sha256()
-        for a in self.anchor:
-            h.update(a.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()[:16]
+        return report.tensors_hash(self.anchor)
 
     def _write_row(self, r: ExchangeResult, exposed: float, h_used: int, rank_used: int):
-        sums = self.intra.reduce([r.bytes_sent, r.bytes_received, r.bytes_dense_fp32, r.pseudo_grad_norm ** 2,
-                                  r.compression_rel_error ** 2 * r.pseudo_grad_norm ** 2], "sum")
-        maxes = self.intra.reduce([r.comm_seconds, exposed, r.transfer_seconds], "max")
-        hashes = self.intra.gather_str(self.model_hash())
-        row = {"round": r.round, "iteration": self.iteration, "launched_at": r.launched_at,
-               "cluster": self.cfg.cluster_id,
-               "num_clusters": r.num_clusters, "status": r.status, "H": h_used, "next_H": self.h,
-               "lowrank_rank": rank_used if self.codec.groups else 0,
-               "next_lowrank_rank": self.codec.rank if self.codec.groups else 0,
-               "quant_bits": self.cfg.quant_bits, "bytes_sent": int(sums[0]), "bytes_received": int(sums[1]),
-               "bytes_dense_fp32": int(sums[2]), "comm_seconds": maxes[0], "exposed_comm_seconds": maxes[1],
-               "transfer_seconds": maxes[2],
-               "compression_rel_error": r.compression_rel_error if len(hashes) == 1 else
-               (sums[4] / sums[3]) ** 0.5 if sums[3] > 0 else 0.0,
-               "pseudo_grad_norm": sums[3] ** 0.5,
-               "global_model_hash": hashes[0] if len(hashes) == 1 else
-               hashlib.sha256("".join(hashes).encode()).hexdigest()[:16]}
+        row = report.round_row(self, r, exposed, h_used, rank_used)
         self.last_row = row
         self.rows.append(row)
         if self.intra.is_writer:
             self.metrics.write(row)
-            log.info("DiLoCoX round %(round)d @ iter %(iteration)d: %(status)s, H=%(H)d r=%(lowrank_rank)d "
-                     "bits=%(quant_bits)d sent=%(bytes_sent)d B (dense fp32 %(bytes_dense_fp32)d B), "
-                     "comm %(comm_seconds).3fs exposed %(exposed_comm_seconds).3fs hash=%(global_model_hash)s", row)
+            report.log_row(row)
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -357,7 +411,8 @@ class DiLoCoXSync:
         return {
             "config": self.cfg.agreement_dict(),
             "round": self.round, "steps_in_round": self.steps_in_round, "iteration": self.iteration,
-            "h": self.h, "comm_seconds_prev": self.comm_seconds_prev, "step_seconds": self.step_seconds,
+            "h": self.h, "tau": self.tau, "comm_seconds_prev": self.comm_seconds_prev, "step_seconds": self.step_seconds,
+            "seconds_per_byte_prev": self.seconds_per_byte_prev,
             "anchor": [a.clone() for a in self.anchor],
             "round_start": [s.clone() for s in self.round_start] if self.delayed else None,
             "outer": self.outer.state_dict(),
@@ -374,6 +429,8 @@ class DiLoCoXSync:
             raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}")
         self.round, self.steps_in_round, self.iteration = state["round"], state["steps_in_round"], state["iteration"]
         self.h, self.comm_seconds_prev, self.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
+        self.tau = state.get("tau", self._fixed_tau(self.h))  # checkpoints from before τ was saved (τ was H)
+        self.seconds_per_byte_prev = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)
         self.anchor = [a.to(self.outer_device, torch.float32).clone() for a in state["anchor"]]
         self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
         self.outer.load_state_dict(state["outer"])

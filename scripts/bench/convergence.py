@@ -209,7 +209,8 @@ def check_quick(results, bound=QUICK_GAP_BOUND):
       worst measured gap (room for seed/corpus noise and small changes of the defaults), while the untrained
       model is at ln(4096) = 8.32 (+53%) and the loss after only 20 iterations is 6.1-7.1 (+12-31%): a
       method whose outer step or evaluation is broken enough to cost a third of the run's progress fails;
-    - DiLoCoX sends at least 50x fewer bytes per round than dense fp32 (rank 6 int4 is ~130x);
+    - DiLoCoX sends at least 7x fewer bytes per round than dense fp32: the link budget sends the matrices whole
+      in int4 (7.5x) once loopback is measured, rank 6 int4 (~106x) before;
     - the clusters agree on the global model: both evaluate φ, so their validation losses are identical."""
     failures = []
     ar = next((r for r in results if r["method"] == "allreduce"), None)
@@ -235,8 +236,8 @@ def check_quick(results, bound=QUICK_GAP_BOUND):
         by = r["valid_by_cluster"]
         if len({json.dumps(v) for v in by.values()}) != 1:
             failures.append(f"{tag}: clusters evaluated different models: {by}")
-        if r["method"] == "dilocox" and not r["bytes_per_round"] * 50 <= r["dense_fp32_per_round"]:
-            failures.append(f"dilocox H={r['H']}: {r['bytes_per_round']:.0f} B/round is not 50x below dense fp32 "
+        if r["method"] == "dilocox" and not r["bytes_per_round"] * 7 <= r["dense_fp32_per_round"]:
+            failures.append(f"dilocox H={r['H']}: {r['bytes_per_round']:.0f} B/round is not 7x below dense fp32 "
                             f"({r['dense_fp32_per_round']:.0f} B)")
     diloco = next((r for r in results if r["method"] == "diloco" and r["final_valid_loss"] is not None), None)
     dilocox = next((r for r in results if r["method"] == "dilocox" and r["final_valid_loss"] is not None), None)

@@ -141,6 +141,8 @@ def main():
                     help="low-rank rank of the compressed methods (default 6: the smallest whose validation loss "
                          "stays within 1%% of uncompressed DiLoCo on this model, see benchmarks/results/README.md)")
     ap.add_argument("--allreduce-steps", type=int, default=None, help="AllReduce steps timed on the shaped link")
+    ap.add_argument("--skip", default="", help="comma-separated methods not to run, of diloco,diloco_comp (uncompressed "
+                                               "DiLoCo needs ~110 s per round at ratio 325: long runs skip it)")
     ap.add_argument("--data", default=os.path.join(REPO, "data", "kjv"))
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "wan"))
     a = ap.parse_args()
@@ -184,7 +186,12 @@ def main():
             "dilocox": ["--dilocox-h", str(h), "--dilocox-lowrank-min-dim", "64", "--dilocox-lowrank-rank", str(a.rank),
                         "--dilocox-quant-bits", "4"],
         }
+        skip = {m for m in a.skip.split(",") if m}
+        if skip - {"diloco", "diloco_comp"}:
+            ap.error(f"--skip: only diloco and diloco_comp may be skipped, got {sorted(skip)}")
         for name, dl in methods.items():
+            if name in skip:
+                continue
             logs, rows, wall = cluster_run(wan, name, per_cluster, dl, a.out)
             rounds = max(r["round"] for r in rows)
             results[name] = dict(
@@ -221,7 +228,7 @@ def main():
     ar = results["allreduce"]
     print(f"\n{'method':12s} {'tok/s':>9s} {'xAR':>7s} {'xceil':>6s} {'val loss':>9s} {'gap':>7s} "
           f"{'B/round':>10s} {'B total':>11s} {'x fewer':>8s} {'exposed s':>9s} {'xceil e2e':>9s}")
-    for name in ("allreduce", "diloco", "diloco_comp", "dilocox", "ceiling"):
+    for name in (n for n in ("allreduce", "diloco", "diloco_comp", "dilocox", "ceiling") if n in results):
         r = results[name]
         r["ratio_vs_allreduce"] = r["tokens_per_s"] / ar["tokens_per_s"]
         r["ratio_vs_ceiling"] = r["tokens_per_s"] / results["ceiling"]["tokens_per_s"]
@@ -234,7 +241,7 @@ def main():
               f"{r['ratio_vs_ceiling_with_ends']:9.2f}")
     predicted = predict_testbed(step_s, rate_bits if not a.rate else None, a.rate, h, a.rank)
     print("\ncost model for this testbed (python -m megatron_dilocox.sim) vs measured, speed-up over AllReduce:")
-    for name in ("diloco", "dilocox"):
+    for name in (n for n in ("diloco", "dilocox") if n in results):
         key = "speedup_vs_allreduce" if name == "dilocox" else "diloco_speedup_vs_allreduce"
         print(f"  {name:8s} predicted {predicted[key]:7.2f}x   measured {results[name]['ratio_vs_allreduce']:7.2f}x")
     meta = dict(iters=iters, h=h, rank=a.rank, rate=rate, paper_ratio=ratio, step_seconds=step_s, predicted=predicted,
@@ -244,7 +251,9 @@ def main():
     plot(a.out, results, curves, tokens_per_iter)
     if a.quick:
         d = results["dilocox"]
-        assert d["bytes_fewer_than_allreduce"] >= 50, d["bytes_fewer_than_allreduce"]
+        # the link budget sends at most the int4 whole payload (7.5x below fp32) per H = 5 steps: >= 37x below
+        # AllReduce's fp32 gradients every step (rounds 1-2, before the link is measured, send > 100x less)
+        assert d["bytes_fewer_than_allreduce"] >= 37, d["bytes_fewer_than_allreduce"]
         assert d["tokens_per_s"] > ar["tokens_per_s"], (d["tokens_per_s"], ar["tokens_per_s"])
         print("quick invariants: ok")
 
