@@ -153,6 +153,7 @@ class Coordinator:
         """Publish a verdict the lost coordinator gave (some rank read it) and go on after it."""
         m = self.m
         m.meta.set(f"{key}/verdict", json.dumps(verdict))
+        m.publish_admissions(verdict)  # a joiner that missed its admission waits for it in this store
         epoch, seq = _order(key)
         if verdict["epoch"] != epoch:  # a retry or an admission: the next epoch starts at attempt 0
             epoch, seq = verdict["epoch"], -1

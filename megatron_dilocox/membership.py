@@ -127,6 +127,7 @@ class Membership:
         self.reconnect: Optional[Callable[[], TCPStore]] = None
         self.last: Optional[tuple[str, dict]] = None  # the last verdict this rank read: (key, verdict)
         self.pending: Optional[tuple[str, str]] = None  # (key, outcome) voted and not yet decided
+        self.joining = False  # waiting for admission (a restarted cluster)
 
     @property
     def coordinator(self) -> bool:
@@ -162,8 +163,18 @@ class Membership:
         self.meta.wait([f"{key}/verdict"], timedelta(seconds=3 * self.timeout))
         return json.loads(self.meta.get(f"{key}/verdict"))
 
-    def report(self) -> dict:
-        """(Standalone) what a restarted coordinator rebuilds the run from: this rank's view."""
+    def _store_alive(self) -> bool:
+        try:
+            self.meta.check(["hb/0"])
+            return True
+        except Exception:
+            return False
+
+    def report(self) -> Optional[dict]:
+        """(Standalone) what a restarted coordinator rebuilds the run from: this rank's view (none while this
+        cluster waits to be admitted: it is not a member yet)."""
+        if self.joining:
+            return None
         return {"epoch": self.epoch, "seq": self.seq, "members": self.members,
                 "last": list(self.last) if self.last else None, "pending": list(self.pending) if self.pending else None}
 
@@ -205,11 +216,15 @@ class Membership:
                 verdict["admitted"] = self._admit()
                 if verdict["admitted"]:
                     verdict.update(members=sorted(self.members + verdict["admitted"]), epoch=self.epoch + 1)
+        self.publish_admissions(verdict)
+        return verdict
+
+    def publish_admissions(self, verdict: dict):
+        """Hand each cluster ``verdict`` admits its admission (the key its joiner waits on)."""
         for c in verdict["admitted"]:
             n = self.meta.add(f"admissions/{c}", 1)
             self.meta.delete_key(f"join/{c}")
             self.meta.set(f"admit/{c}/{n}", json.dumps(verdict))
-        return verdict
 
     def _silent(self, cluster: int) -> bool:
         """True once ``cluster``'s heartbeat has not moved for heartbeat_after(timeout) seconds."""
@@ -240,15 +255,27 @@ class Membership:
 
     # ------------------------------------------------------------------------------------ joining
     def wait_for_admission(self) -> dict:
-        """(Joiner) ask to join; block until a commit verdict admits this cluster; return it."""
-        n = self.meta.add(f"admissions/{self.cluster}", 0)
-        self.meta.add(f"join/{self.cluster}", 1)
-        try:
-            self.meta.wait([f"admit/{self.cluster}/{n + 1}"], timedelta(seconds=self.timeout))
-        except Exception as exc:
-            raise PeerLostError(f"cluster {self.cluster} was not admitted within {self.timeout:.0f}s: the "
-                                f"running clusters admit a restarted cluster at their next round boundary "
-                                f"and only with --dilocox-on-peer-failure continue") from exc
+        """(Joiner) ask to join; block until a commit verdict admits this cluster; return it.
+
+        Standalone: a coordinator lost meanwhile is found again (``reconnect``) and asked again. Its store
+        starts empty, so the admission to wait for is its first for this cluster: either a fresh one, or the
+        one the lost coordinator gave and only the members read, which the new one publishes again from their
+        views (``coordinator._adopt``); no earlier incarnation of this cluster can be admitted meanwhile."""
+        n, self.joining = self.meta.add(f"admissions/{self.cluster}", 0), True
+        while True:
+            if not self.meta.check([f"admit/{self.cluster}/{n + 1}"]):
+                self.meta.add(f"join/{self.cluster}", 1)
+            try:
+                self.meta.wait([f"admit/{self.cluster}/{n + 1}"], timedelta(seconds=self.timeout))
+                break
+            except Exception as exc:
+                if self.reconnect is None or self._store_alive():
+                    raise PeerLostError(f"cluster {self.cluster} was not admitted within {self.timeout:.0f}s: "
+                                        f"the running clusters admit a restarted cluster at their next round "
+                                        f"boundary and only with --dilocox-on-peer-failure continue") from exc
+                self.use_store(self.reconnect())  # report() says "joining": the new one treats it so
+                n = 0
+        self.joining = False
         verdict = json.loads(self.meta.get(f"admit/{self.cluster}/{n + 1}"))
         self.apply(verdict)
         return verdict

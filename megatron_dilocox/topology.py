@@ -111,6 +111,8 @@ class InterClusterGroup(Collective):
         self._check_fingerprints(self.base, self.session, self.fingerprint)
         self.admission: Optional[dict] = None
         if self.joining:
+            log.warning("DiLoCoX cluster %d: the run is in progress; waiting to be admitted at the next round "
+                        "boundary", cfg.cluster_id)
             self.admission = self.membership.wait_for_admission()
             self.handover_src = self._sender(self.admission)
         elif cfg.cluster_id == 0 and not self.standalone:  # signed: a forged mark would only send a real peer

@@ -16,6 +16,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.local_launch import free_port, run_clusters
+from megatron_dilocox.membership import Membership
 from megatron_dilocox.rendezvous import PREFIX, RendezvousError, authenticate
 from megatron_dilocox.topology import InterClusterGroup, connect_store
 from tests.coord_util import CoordinatorProcess
@@ -272,3 +273,74 @@ def test_a_cluster_lost_with_the_coordinator_is_not_waited_for_beyond_its_heartb
     assert settled < 2 * TIMEOUT, (settled, lines)
     print(f"FAULT cluster 2 and the coordinator killed together: the restarted coordinator gave cluster 2 up "
           f"{settled:.1f}s after it started listening (heartbeat silence {TIMEOUT:.0f}s, timeout {2 * TIMEOUT:.0f}s)")
+
+
+def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_by_the_next(tmp_path):
+    """Cluster 1 (restarted after a loss) waits to be admitted; the coordinator dies before the next verdict.
+    The joiner finds the restarted coordinator, proves the secret as a joiner (no view: it is no member),
+    asks again and is admitted by the next commit cluster 0 votes for. And an admission only cluster 0 read
+    before the coordinator died is published again under the joiner's key by the next one."""
+    address = f"127.0.0.1:{free_port()}"
+    c0, c1 = (cfg(address, cluster=c, on_peer_failure="continue") for c in (0, 1))
+    retry = {"action": "retry", "members": [0], "epoch": 1, "lost": [1], "admitted": [], "reason": "lost cluster 1"}
+    view0 = {"epoch": 1, "seq": 0, "members": [0], "last": ["e0/x3", retry], "pending": None}
+    coords = [CoordinatorProcess(address, SECRET, str(tmp_path / "a.log"), "--keep-running")]
+
+    def reconnect():  # what InterClusterGroup._failover does (a loaded host may take a while to restart one)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                store = connect_store(c1, host_store=False)
+                break
+            except RendezvousError:
+                if time.monotonic() > deadline:
+                    raise
+        assert authenticate(store, address, c1, 0, 1, joiner.report())[1] is True
+        return store
+    try:
+        authenticate(connect_store(c0, host_store=False), address, c0, 0, 1, view0)  # the run is in progress
+        store1 = connect_store(c1, host_store=False)
+        assert authenticate(store1, address, c1, 0, 1, None)[1] is True
+        joiner = Membership(store1, 1, 0, 1, 2, TIMEOUT, "continue", lambda *_: None)
+        joiner.embedded, joiner.reconnect = False, reconnect
+        got = {}
+        waiter = threading.Thread(target=lambda: got.update(verdict=joiner.wait_for_admission()), daemon=True)
+        waiter.start()
+        old = PrefixStore("dilocox/m", connect_store(c0, host_store=False))
+        deadline = time.monotonic() + 30
+        while old.add("join/1", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert joiner.joining and joiner.report() is None
+        coords[0].kill()  # before any verdict could admit cluster 1
+        time.sleep(1.0)
+        coords.append(CoordinatorProcess(address, SECRET, str(tmp_path / "b.log"), "--keep-running"))
+        store0 = connect_store(c0, host_store=False)
+        authenticate(store0, address, c0, 0, 1, view0)  # cluster 0's view: the new one rebuilds e1/x0 from it
+        meta = PrefixStore("dilocox/m", store0)
+        deadline = time.monotonic() + 30
+        while meta.add("join/1", 0) < 1 and time.monotonic() < deadline:  # the joiner asked the new one
+            time.sleep(0.02)
+        assert meta.add("join/1", 0) == 1
+        meta.set("e1/x0/vote/0/0", "ok")
+        meta.add("e1/x0/votes/0", 1)
+        meta.wait(["e1/x0/verdict"], timedelta(seconds=30))
+        admission = json.loads(meta.get("e1/x0/verdict"))
+        assert admission == {"action": "commit", "members": [0, 1], "epoch": 2, "lost": [], "admitted": [1],
+                             "reason": ""}
+        waiter.join(30)
+        assert got["verdict"] == admission and joiner.members == [0, 1] and joiner.epoch == 2
+        assert not joiner.joining and joiner.report()["members"] == [0, 1]
+        assert "cluster 1 local rank 0 proved the secret (rejoining)" in coords[1].text()
+        # the coordinator dies again after that admission: a joiner that missed it finds it under admit/1/1
+        coords[1].kill()
+        time.sleep(1.0)
+        coords.append(CoordinatorProcess(address, SECRET, str(tmp_path / "c.log"), "--keep-running"))
+        store0 = connect_store(c0, host_store=False)
+        authenticate(store0, address, c0, 0, 1, {"epoch": 2, "seq": 0, "members": [0, 1],
+                                                  "last": ["e1/x0", admission], "pending": None})
+        meta = PrefixStore("dilocox/m", store0)
+        meta.wait(["admit/1/1"], timedelta(seconds=30))
+        assert json.loads(meta.get("admit/1/1")) == admission
+    finally:
+        for c in coords:
+            c.stop()

@@ -64,6 +64,10 @@ class Soak:
         self.env = {"DILOCOX_SECRET": secrets.token_hex(16), "CUDA_VISIBLE_DEVICES": "", "NO_VCS_VERSION": "1"}
         self.megatron = gpt_flags(a.data, a.iters, 1, 1) + ["--log-interval", "1"]
         self.dilocox = dilocox_flags(a.out, a.h, a.timeout)
+        if a.save_interval:  # each cluster saves (atomically) and a restarted one resumes its own checkpoint
+            self.megatron += ["--save", f"{a.out}/ckpt_c{{cluster}}", "--load", f"{a.out}/ckpt_c{{cluster}}",
+                              "--save-interval", str(a.save_interval)]
+        self.t_restart: dict = {}
         self.incarnations = []  # (cluster, Clusters handle, position in it)
         self.faults = []
         self.coordinators = []  # standalone: every coordinator process started, the live one last
@@ -99,37 +103,97 @@ class Soak:
         rows = self.rows(cluster)
         return bool(rows) and rows[-1]["num_clusters"] == self.a.clusters
 
-    def plan(self) -> list:
-        """Victims: a cluster id or "coordinator"; cluster 0 >= 3 and the coordinator >= 2 times when the
-        standalone coordinator runs and there are >= 10 faults."""
+    def plan(self) -> list[tuple]:
+        """(victim, moment) per fault. Victims: a cluster id or "coordinator"; cluster 0 >= 3 and the
+        coordinator >= 2 times when the standalone coordinator runs and there are >= 10 faults. Moments (from
+        --moments): the first two cluster victims die inside a checkpoint save ("save", with
+        --save-interval); one coordinator victim and, with 3 clusters or more, one cluster victim die while
+        another cluster rejoins ("rejoin"); the rest mid-round."""
         a = self.a
         if a.victims:
-            return [v if v == "coordinator" else int(v) for v in a.victims.split(",")]
-        if a.coordinator != "standalone":
-            return [self.rng.randrange(1, a.clusters) for _ in range(a.faults)]
-        pool = list(range(a.clusters)) + ["coordinator"]
-        fixed = [0, 0, 0, "coordinator", "coordinator"] if a.faults >= 10 else []
-        victims = fixed + [self.rng.choice(pool) for _ in range(a.faults - len(fixed))]
-        self.rng.shuffle(victims)
-        return victims
+            victims = [v if v == "coordinator" else int(v) for v in a.victims.split(",")]
+        elif a.coordinator != "standalone":
+            victims = [self.rng.randrange(1, a.clusters) for _ in range(a.faults)]
+        else:
+            pool = list(range(a.clusters)) + ["coordinator"]
+            fixed = [0, 0, 0, "coordinator", "coordinator"] if a.faults >= 10 else []
+            victims = fixed + [self.rng.choice(pool) for _ in range(a.faults - len(fixed))]
+            self.rng.shuffle(victims)
+        moments = ["mid-round"] * len(victims)
+        wanted = a.moments.split(",")
+        clusters = [i for i, v in enumerate(victims) if v != "coordinator"]
+        if "save" in wanted:
+            for i in clusters[:2]:
+                moments[i] = "save"
+        if "rejoin" in wanted:
+            coordinator = [i for i, v in enumerate(victims) if v == "coordinator"]
+            for i in coordinator[:1] + (clusters[2:3] if a.clusters >= 3 else []):
+                moments[i] = "rejoin"
+        return list(zip(victims, moments))
 
     @staticmethod
     def count(log, text: str) -> int:
         return sum(text in ln for ln in log.lines)
 
-    def inject(self, at_iteration: int, victim):
+    def log_of(self, cluster: int):
+        cl, pos = self.current(cluster)
+        return cl.logs[pos]
+
+    def inject(self, at_iteration: int, victim, moment: str = "mid-round"):
+        """One fault at ``moment``: mid-round (at an iteration), save (the victim cluster inside a checkpoint
+        save), rejoin (another cluster is killed first and restarted; the victim dies while that one waits to
+        be admitted: a second fault)."""
         a = self.a
-        watcher = 1 if victim == 0 else 0  # a survivor whose log and metrics tell what happened
-        clw, posw = self.current(watcher)
-        logw = clw.logs[posw]
+        joiner = None
+        if moment == "rejoin":
+            joiner = self.rng.choice([c for c in range(a.clusters) if c != victim])
+        watcher = min(c for c in range(a.clusters) if c not in (victim, joiner))  # a survivor that tells
+        logw = self.log_of(watcher)
         if not logw.wait_for(lambda log: log.last_iteration >= at_iteration or log.ended, 1800) or logw.ended:
             return
+        if joiner is not None:
+            fault = self.kill_cluster(joiner, watcher, "mid-round")
+            if fault is None:
+                return
+            jlog = self.restart_cluster(joiner)
+            waiting = jlog.wait_for(lambda log: self.count(log, "waiting to be admitted") > 0 or log.ended,
+                                    a.timeout + 300)
+            second = self.kill_coordinator(logw, f"rejoin of cluster {joiner}") if victim == "coordinator" else \
+                self.kill_cluster(victim, watcher, f"rejoin of cluster {joiner}")
+            if second is not None and victim != "coordinator":
+                self.restart_cluster(victim)
+            self.wait_back(fault, watcher, joiner)
+            if second is not None and victim != "coordinator":
+                self.wait_back(second, watcher, victim)
+            for f in (fault, second):
+                if f is not None:
+                    f["joiner_was_waiting"] = bool(waiting) if f is second else None
+                    self.record(f)
+            return
         if victim == "coordinator":
-            return self.kill_coordinator(logw)
+            return self.record(self.kill_coordinator(logw, moment))
+        fault = self.kill_cluster(victim, watcher, moment)
+        if fault is not None:
+            self.restart_cluster(victim)
+            self.wait_back(fault, watcher, victim)
+            self.record(fault)
+
+    def record(self, fault: dict):
+        self.faults.append(fault)
+        print("fault:", json.dumps(fault), flush=True)
+
+    def kill_cluster(self, victim: int, watcher: int, moment: str):
+        a = self.a
+        logw, logv = self.log_of(watcher), self.log_of(victim)
+        if moment == "save":  # SIGKILL as the victim starts writing its next checkpoint
+            n = self.count(logv, "saving checkpoint at iteration")
+            if not logv.wait_for(lambda log: self.count(log, "saving checkpoint at iteration") > n or log.ended,
+                                 a.save_interval * 10 + 300) or logv.ended:
+                return None
         rank = self.rng.randrange(a.nproc)
         cl, pos = self.current(victim)
-        fault = {"fault": f"SIGKILL cluster {victim} rank {rank}", "cluster": victim,
-                 "at_iteration": cl.logs[pos].last_iteration}
+        fault = {"fault": f"SIGKILL cluster {victim} rank {rank}", "cluster": victim, "moment": moment,
+                 "at_iteration": logv.last_iteration}
         n_retry = self.count(logw, "retrying with clusters")
         t_kill = time.monotonic()
         cl.kill(pos, signal.SIGKILL, rank=rank)
@@ -141,10 +205,19 @@ class Soak:
                        if r["num_clusters"] == a.clusters and r["launched_at"] <= fault["at_iteration"]]
         fault["victim_tokens_lost"] = (fault["at_iteration"] - max(with_victim, default=0)) * a.global_batch * a.seq
         cl.procs[pos].wait(60)  # the victim's torchrun only (Clusters.wait would stop the survivors too)
-        pause = self.rng.uniform(1.0, 5.0)
-        time.sleep(pause)
-        t_restart = time.monotonic()
+        fault["_seen"] = seen
+        return fault
+
+    def restart_cluster(self, victim: int):
+        time.sleep(self.rng.uniform(1.0, 5.0))
         self.launch(only=[victim])
+        self.t_restart[victim] = time.monotonic()
+        return self.log_of(victim)
+
+    def wait_back(self, fault: dict, watcher: int, victim: int):
+        """Until the watcher's rounds count every cluster again, after the kill; then the victim's checkpoint
+        (which one it resumed from, when the run saves)."""
+        a, t_restart, logw = self.a, self.t_restart[victim], self.log_of(watcher)
         back = False
         while time.monotonic() - t_restart < a.timeout + 300 and not logw.ended:
             if self.all_in(watcher) and self.rows(watcher)[-1]["launched_at"] > fault["at_iteration"]:
@@ -152,13 +225,14 @@ class Soak:
                 break
             time.sleep(0.5)
         fault["rejoined_after_s"] = round(time.monotonic() - t_restart, 1) if back else None
-        fault["outcome"] = "survived, rejoined" if back and seen else "NOT survived"
-        self.faults.append(fault)
-        print("fault:", json.dumps(fault), flush=True)
+        fault["outcome"] = "survived, rejoined" if back and fault.pop("_seen") else "NOT survived"
+        if a.save_interval:
+            loaded = [ln for ln in self.log_of(victim).lines if "successfully loaded checkpoint" in ln]
+            fault["resumed_from"] = loaded[-1].split("at iteration")[-1].strip() if loaded else "no checkpoint"
 
-    def kill_coordinator(self, logw):
-        fault = {"fault": "SIGKILL the coordinator", "cluster": "coordinator", "at_iteration": logw.last_iteration,
-                 "victim_tokens_lost": 0}
+    def kill_coordinator(self, logw, moment: str):
+        fault = {"fault": "SIGKILL the coordinator", "cluster": "coordinator", "moment": moment,
+                 "at_iteration": logw.last_iteration, "victim_tokens_lost": 0}
         n_lost, n_back = self.count(logw, "lost the coordinator"), self.count(logw, ": coordinator at ")
         noticed = {}
 
@@ -181,8 +255,7 @@ class Soak:
         back = logw.wait_for(lambda log: self.count(log, ": coordinator at ") > n_back, self.a.timeout * 3)
         fault["rejoined_after_s"] = round(time.monotonic() - t_restart, 1) if back else None
         fault["outcome"] = "survived, back with the restarted coordinator" if back and seen else "NOT survived"
-        self.faults.append(fault)
-        print("fault:", json.dumps(fault), flush=True)
+        return fault
 
     def run(self):
         a = self.a
@@ -191,8 +264,8 @@ class Soak:
         # faults in the first part of the run: a restarted cluster needs time to start and rejoin
         lo, hi = 2 * a.h + 1, max(2 * a.h + 2, a.iters // 8 if a.faults == 1 else a.iters - a.iters // 4)
         spots = sorted(self.rng.sample(range(lo, max(lo + 1, hi)), min(a.faults, max(1, hi - lo))))
-        for at, victim in zip(spots, self.plan()):
-            self.inject(at, victim)
+        for at, (victim, moment) in zip(spots, self.plan()):
+            self.inject(at, victim, moment)
         codes = {}
         for c in range(a.clusters):
             cl, pos = self.current(c)
@@ -228,6 +301,8 @@ class Soak:
             "coordinator": a.coordinator, "clusters": a.clusters,
             "faults_by_victim": {str(k): sum(f["cluster"] == k for f in self.faults)
                                  for k in list(range(a.clusters)) + ["coordinator"]},
+            "faults_by_moment": {m: sum(f.get("moment", "mid-round").startswith(m) for f in self.faults)
+                                 for m in ("mid-round", "save", "rejoin")},
             "detection_s_max": max(detect, default=None), "rejoin_s_max": max(back, default=None),
             "faults_injected": len(self.faults),
             "faults_survived": sum(f["outcome"].startswith("survived") for f in self.faults),
@@ -260,7 +335,16 @@ def main(argv=None):
                     help="standalone: a coordinator process; cluster 0 and the coordinator are victims too")
     ap.add_argument("--victims", default=None, help="comma-separated victims in order instead of random ones: "
                                                      "cluster ids and/or 'coordinator' (e.g. 0,coordinator)")
+    ap.add_argument("--moments", default="mid-round",
+                    help="comma-separated from mid-round, save, rejoin: when faults strike (see Soak.plan)")
+    ap.add_argument("--save-interval", type=int, default=0,
+                    help="Megatron --save-interval for every cluster (0: no checkpoints); 'save' needs it")
     a = ap.parse_args(argv)
+    bad = set(a.moments.split(",")) - {"mid-round", "save", "rejoin"}
+    if bad:
+        ap.error(f"--moments takes mid-round, save and rejoin, not {', '.join(sorted(bad))}")
+    if "save" in a.moments.split(",") and not a.save_interval:
+        ap.error("--moments save needs --save-interval N (the clusters only save with it)")
     if a.quick:
         a.clusters, a.iters, a.h, a.faults = 2, 300, 5, 1
     if a.victims:
