@@ -6,7 +6,8 @@ import torch
 
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.nesterov import OuterNesterov
-from megatron_dilocox.outer.sync import DiLoCoXSync, DivergedError
+from megatron_dilocox.outer.cluster import IntraCluster
+from megatron_dilocox.outer.sync import DiLoCoXSync, DivergedError, agree_on_cluster
 from tests.workers import batch, loss_fn, make_inner, make_model
 
 
@@ -151,3 +152,28 @@ def test_adaptive_tau_follows_the_measured_transfer(monkeypatch):
     assert [r["iteration"] for r in sync.rows][:2] == [5, 9]
     assert sync.rows[2]["iteration"] == 12 + tau_after_round_2
     assert sync.h == 4
+
+
+class _TwoRanks(IntraCluster):
+    """The other rank of a two-rank cluster, as a fixed list: reduce() is what the collective returns."""
+
+    def __init__(self, other):
+        self.other = other
+
+    def reduce(self, values, op):
+        assert op == "max"
+        return [float(max(a, b)) for a, b in zip(values, self.other)]
+
+
+def test_cluster_agreement_orders_link_budget_ranks_by_bytes():
+    """Under the link budget each rank proposes what its own transfer carries; the cluster must take the
+    proposal sending the fewest bytes (whole = 0 sends the most), else a rank whose link fits only rank 20 is
+    made to send rank 24, or rank 0 (whole) beats every low rank. Without the budget: the largest rank."""
+    def both(mine, theirs, by_bytes):
+        other = [theirs[0], -(theirs[1] or 2.0 ** 30) if by_bytes else theirs[1], theirs[2]]
+        return agree_on_cluster(_TwoRanks(other), *mine, by_bytes=by_bytes)
+    assert both((10, 20, 1), (12, 24, 3), by_bytes=True) == (12, 20, 3)
+    assert both((10, 0, 1), (10, 24, 1), by_bytes=True) == (10, 24, 1)  # whole fits here, not there
+    assert both((10, 0, 1), (10, 0, 2), by_bytes=True) == (10, 0, 2)  # whole everywhere stays whole
+    assert both((10, 20, 1), (12, 24, 3), by_bytes=False) == (12, 24, 3)
+    assert both((10, 0, 1), (10, 24, 1), by_bytes=False) == (10, 24, 1)

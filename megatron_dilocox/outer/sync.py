@@ -65,6 +65,23 @@ TAU_MARGIN = 1.0
 LINK_MARGIN = 1.0
 
 
+# a link-budget rank of 0 (whole) ordered above every low rank, so that levels order by bytes
+WHOLE_LEVEL = float(1 << 30)
+
+
+def agree_on_cluster(intra: IntraCluster, h: int, rank: int, tau: int, by_bytes: bool) -> tuple[int, int, int]:
+    """One H, rank and τ for every rank of a cluster (they step together): the largest H and τ. The rank: the
+    largest, except under the link budget (``by_bytes``), where each rank proposed what *its* transfer over
+    the shared link carries: then the cluster takes the one that sends the fewest bytes (whole = 0 sends the
+    most), so no rank's transfer outgrows the time it has to hide in."""
+    if not by_bytes:
+        h, rank, tau = intra.reduce([h, rank, tau], "max")
+        return int(h), int(rank), int(tau)
+    level = rank if rank > 0 else WHOLE_LEVEL
+    h, neg_level, tau = intra.reduce([h, -level, tau], "max")
+    return int(h), (0 if -neg_level >= WHOLE_LEVEL else int(-neg_level)), int(tau)
+
+
 class DivergedError(FloatingPointError):
     """This cluster's own pseudo-gradient is NaN/Inf: its inner training diverged."""
 
@@ -345,7 +362,7 @@ class DiLoCoXSync:
         self._write_row(result, exposed, h_used, rank_used)
 
     def _adapt(self, result: ExchangeResult):
-        """Same inputs on every cluster (from the payload), then max over this cluster's ranks."""
+        """Same inputs on every cluster (from the payload), then one value per cluster (agree_on_cluster)."""
         h = self.h
         if self.cfg.adaptive_h:
             h = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, self.h,
@@ -355,13 +372,13 @@ class DiLoCoXSync:
             tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, self.tau, TAU_MARGIN, 1, h)
         rank = result.next_rank
         if self.link_budget and not self.codec.groups:
-            rank = 0  # nothing low-rank on this rank: no say in the cluster's max below
+            rank = 0  # nothing low-rank on this rank: whole, i.e. no say in the cluster's choice below
         elif self.link_budget and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
             # the rank (0: whole) the link carries in the steps the round has to hide in
             hide = self._fixed_tau(self.cfg.resolved_h_min)  # τ when fixed, else the H you asked for
             rank = self.codec.link_rank(hide * result.peer_step_seconds / (1.0 + LINK_MARGIN),
                                         result.peer_seconds_per_byte, result.num_clusters)
-        h, rank, tau = (int(v) for v in self.intra.reduce([h, rank, tau], "max"))
+        h, rank, tau = agree_on_cluster(self.intra, h, rank, tau, by_bytes=self.link_budget)
         self.h, self.tau = h, min(tau, h)
         self.codec.set_rank(rank, result.round)
 
