@@ -152,6 +152,21 @@ def test_cluster_0_killed_mid_round_the_others_continue_and_it_rejoins(tmp_path,
           f"{j['first_iteration']}); {counts.count(2)} rounds with 2 clusters; hashes equal rounds {min(mine)}..20")
 
 
+def _run_beside_chaos(chaos, coords, slots, join_seconds, **kw):
+    """run_clusters (one rank per cluster) while ``chaos`` kills and restarts coordinators in a thread; the
+    last coordinator must then exit 0 (every cluster done). Every coordinator is stopped in the end."""
+    t = threading.Thread(target=chaos, daemon=True)
+    t.start()
+    try:
+        res = run_clusters(train_worker, slots, 1, timeout=300, **kw)
+        t.join(join_seconds)
+        assert coords[-1].wait(60) == 0, coords[-1].text()
+    finally:
+        for c in coords:
+            c.stop()
+    return res
+
+
 @pytest.mark.parametrize("overlap,how", [("none", "restart"), ("eager", "standby")])
 def test_the_coordinator_killed_and_replaced_training_goes_on_no_round_twice_or_lost(tmp_path, overlap, how):
     """SIGKILL the coordinator after its 4th verdict; restart it at the same address 1 s later, or let the
@@ -171,16 +186,8 @@ def test_the_coordinator_killed_and_replaced_training_goes_on_no_round_twice_or_
         if how == "restart":
             time.sleep(1.0)
             coords.append(CoordinatorProcess(a, SECRET, str(tmp_path / "a2.log")))
-    t = threading.Thread(target=chaos, daemon=True)
-    t.start()
-    try:
-        res = run_clusters(train_worker, 2, 1, timeout=300, args=(dict(
-            steps=60, step_sleep=0.15, dilocox=spec(2, f"{a},{b}" if how == "standby" else a, overlap=overlap)),))
-        t.join(10)
-        assert coords[-1].wait(60) == 0, coords[-1].text()
-    finally:
-        for c in coords:
-            c.stop()
+    res = _run_beside_chaos(chaos, coords, 2, 10, args=(dict(
+        steps=60, step_sleep=0.15, dilocox=spec(2, f"{a},{b}" if how == "standby" else a, overlap=overlap)),))
     x, y = res[(0, 0)], res[(1, 0)]
     assert x["error"] is None and y["error"] is None, (x["error"], y["error"])
     assert "at" in killed
@@ -247,17 +254,8 @@ def test_a_cluster_lost_with_the_coordinator_is_not_waited_for_beyond_its_heartb
         coords[0].kill()
         time.sleep(1.0)
         coords.append(CoordinatorProcess(address, SECRET, str(tmp_path / "a2.log")))
-    t = threading.Thread(target=chaos, daemon=True)
-    t.start()
-    try:
-        res = run_clusters(train_worker, 3, 1, timeout=300, may_die=(2,), args=(dict(
-            steps=60, step_sleep=0.15, die={"slot": 2, "step": 10, "flag": str(flag)},
-            dilocox=spec(3, address)),))
-        t.join(30)
-        assert coords[-1].wait(60) == 0, coords[-1].text()
-    finally:
-        for c in coords:
-            c.stop()
+    res = _run_beside_chaos(chaos, coords, 3, 30, may_die=(2,), args=(dict(
+        steps=60, step_sleep=0.15, die={"slot": 2, "step": 10, "flag": str(flag)}, dilocox=spec(3, address)),))
     x, y = res[(0, 0)], res[(1, 0)]
     assert x["error"] is None and y["error"] is None, (x["error"], y["error"])
     assert [r["round"] for r in x["rows"]] == [r["round"] for r in y["rows"]] == list(range(1, 16))
