@@ -73,8 +73,8 @@ class DiLoCoXConfig:
 
     # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
     outer_lr: float = knob(0.7, "outer learning rate")
-    outer_momentum: Optional[float] = knob(None, "outer momentum (default: 0.5 with overlap none, 0.3 with "
-                                                 "eager or one-step-delay; README: convergence)")
+    outer_momentum: Optional[float] = knob(None, "outer momentum (default 0.3, every overlap mode and H; "
+                                                 "README: convergence)")
     outer_nesterov: bool = knob(True, "Nesterov momentum for the outer step")
     outer_state_device: str = knob("cpu", "where anchor, momentum and round start live: cpu or param "
                                           "(beside the parameters)")
@@ -125,13 +125,14 @@ class DiLoCoXConfig:
 
     @property
     def resolved_outer_momentum(self) -> float:
-        """0.5 without overlap, 0.3 with it (eager or one-step-delay), at every H. DiLoCo's 0.9 (tuned at H=500
-        over 88k steps) failed to train at H=10 on the Python docs over 1000 Megatron iterations (validation
-        5.995 vs AllReduce 4.375; 0.5: 4.771), and was the worst value of 0..0.9 at H=20 in the byte model;
-        a one-round-stale Δ needs less (README, "Convergence")."""
+        """0.3, in every overlap mode and at every H. DiLoCo's 0.9 (tuned at H=500 over 88k steps) failed to train
+        at H=10 on the Python docs over 1000 Megatron iterations (validation 5.995 vs AllReduce 4.375). Between
+        0.3 and 0.5 the better value follows the corpus, not H or the overlap: synchronous DiLoCo at 0.5 is 1.1-1.2%
+        better on the KJV (H=10, 50) and 4.8% worse on the docs at H=10 (4.771 vs 4.540); 0.3 is never far from
+        the best (README, "Convergence")."""
         if self.outer_momentum is not None:
             return self.outer_momentum
-        return 0.5 if self.overlap == "none" else 0.3
+        return 0.3
 
     @property
     def resolved_local_weight(self) -> float:

@@ -61,10 +61,10 @@ def test_defaults_and_resolved_bounds():
     assert (cfg.resolved_h_min, cfg.h, cfg.resolved_h_max) == (50, 50, 200)
     assert (cfg.resolved_rank_min, cfg.lowrank_rank, cfg.resolved_rank_max) == (1, 16, 64)
     assert cfg.overlap == "eager" and cfg.quant_bits == 4
-    # outer momentum: 0.3 under either overlap, 0.5 without overlap (README: convergence), unless given
+    # outer momentum: 0.3 in every overlap mode (README: convergence), unless given
     assert cfg.resolved_outer_momentum == 0.3
     assert DiLoCoXConfig(overlap="one-step-delay").resolved_outer_momentum == 0.3
-    assert DiLoCoXConfig(overlap="none").resolved_outer_momentum == 0.5
+    assert DiLoCoXConfig(overlap="none").resolved_outer_momentum == 0.3
     # eager's weight of the fresh-minus-stale local term: halfway between the paper's 1/C and 1
     assert DiLoCoXConfig(num_clusters=2, rendezvous="h:1", secret="s").resolved_local_weight == 0.75
     assert DiLoCoXConfig(overlap="one-step-delay").resolved_local_weight == 1.0

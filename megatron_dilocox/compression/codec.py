@@ -215,7 +215,10 @@ class PseudoGradientCodec(LocalBasisExchange):
     # ---------------------------------------------------------------------------------- exchange
     def exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
                  comm_seconds_prev: float = 0.0, step_seconds: float = 0.0,
-                 seconds_per_byte_prev: float = 0.0) -> ExchangeResult:
+                 seconds_per_byte_prev: float = 0.0, link_steps: float = 0.0) -> ExchangeResult:
+        """One round: compress M = δ + e, average over the clusters, keep the new e. ``link_steps`` > 0 (round 1
+        under the link budget): first set the rank to what the link carries in that many steps, from the
+        header's figures (the same on every cluster, so all decide alike)."""
         t_enter = time.perf_counter()
         C = coll.size
         sent0, recv0 = coll.counter.sent, coll.counter.received
@@ -250,6 +253,10 @@ class PseudoGradientCodec(LocalBasisExchange):
         result.peer_comm_seconds = max(float(h[5]) for h in headers)
         result.peer_step_seconds = max(float(h[6]) for h in headers)
         result.peer_seconds_per_byte = max(float(h[7]) for h in headers)
+        if link_steps > 0 and self.groups and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
+            self.set_rank(self.link_rank(link_steps * result.peer_step_seconds, result.peer_seconds_per_byte, C),
+                          round_idx)
+            result.rank = result.next_rank = self.rank
         bad = [c for c, h in enumerate(headers) if h[4] != 1.0]
         if bad:
             return finish(f"refused: non-finite pseudo-gradient from cluster(s) {bad}")

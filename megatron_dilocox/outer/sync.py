@@ -45,6 +45,7 @@ import torch
 from megatron_dilocox.compression import adaptive
 from megatron_dilocox.compression.codec import ExchangeResult, PayloadError, PseudoGradientCodec
 from megatron_dilocox.compression.collective import Collective, SoloCollective
+from megatron_dilocox.compression.quantize import bytes_as
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
@@ -63,6 +64,12 @@ TAU_MARGIN = 1.0
 # earlier rounds' payloads and varies (a tbf bucket's burst, host load, the other cluster's compute); with the
 # adaptive-H margin (10%) instead, the ratio-325 link at H=10 exposed ~10% of wall time and H rose to 15
 LINK_MARGIN = 1.0
+# the link probe at start (link budget only): one all-gather of this many bytes (or a whole round's payload, if
+# less); rounds 1 and 2 are sized with its rate. Well above a shaper's burst (wan.py's tbf bucket is ~68 kB at
+# 650 kbit/s, which a 64 KiB probe crossed as if it were loopback), small enough that a slow link pays little
+# (~3 s at 650 kbit/s, once). Latency counts as transfer time, so on a high-latency link it errs toward
+# compressing; round 3 on is sized from the payloads themselves
+PROBE_BYTES = 1 << 18
 
 
 # a link-budget rank of 0 (whole) ordered above every low rank, so that levels order by bytes
@@ -143,8 +150,33 @@ class DiLoCoXSync:
         self.anchor = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
         self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
         self._restart_round_at_anchor()
+        if self.link_budget and self.seconds_per_byte_prev == 0:
+            self.seconds_per_byte_prev = self._probe_link()
         self._last_hook = time.perf_counter()
         return self
+
+    def _probe_link(self) -> float:
+        """Seconds per byte of the inter-cluster link, from one all-gather of PROBE_BYTES (at most a whole round's
+        payload), agreed (the slowest
+        cluster's figure) so that every cluster sizes rounds 1 and 2 alike. Without it they went at the initial
+        rank before anything was measured: at H=50 the global model missed most of its first 100 iterations'
+        progress until round 3 sent the error feedback (README, "Convergence")."""
+        if self.group.size < 2:
+            return 0.0
+        # never more than a round sends (latency is not spread thinner), agreed first: a cluster of other
+        # settings must reach the round-1 header (which names the difference), not a mismatched all-gather
+        n = int(min(self._gather_floats([min(PROBE_BYTES, self.codec.payload_sizes(0)[0])])))
+        if n <= 0:
+            return 0.0
+        counter = self.group.counter
+        seconds, sent = counter.seconds, counter.sent
+        self.group.all_gather(torch.zeros(n, dtype=torch.uint8))
+        return max(self._gather_floats([(counter.seconds - seconds) / max(counter.sent - sent, 1)]))
+
+    def _gather_floats(self, values) -> list[float]:
+        """Every cluster's ``values`` (float64), concatenated in cluster order."""
+        mine = torch.tensor(values, dtype=torch.float64).view(torch.uint8)
+        return [float(v) for f in self.group.all_gather(mine) for v in bytes_as(f, torch.float64)]
 
     def _same_everywhere(self, flat: torch.Tensor) -> bool:
         """True when every cluster already holds bitwise these values (one 32-byte digest each): then the
@@ -295,7 +327,8 @@ class DiLoCoXSync:
             attempt_start = time.perf_counter()
             try:
                 result, outcome = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev,
-                                                      self.step_seconds, self.seconds_per_byte_prev), "ok"
+                                                      self.step_seconds, self.seconds_per_byte_prev,
+                                                      link_steps=self._first_round_link_steps(round_idx)), "ok"
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
             except PayloadError as exc:
                 result, outcome = None, f"refused:{exc}"
@@ -381,6 +414,13 @@ class DiLoCoXSync:
         h, rank, tau = agree_on_cluster(self.intra, h, rank, tau, by_bytes=self.link_budget)
         self.h, self.tau = h, min(tau, h)
         self.codec.set_rank(rank, result.round)
+
+    def _first_round_link_steps(self, round_idx: int) -> float:
+        """Round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
+        header every cluster shares (no landing has run _adapt yet): the steps its transfer may take."""
+        if not (self.link_budget and round_idx == 1):
+            return 0.0
+        return self._fixed_tau(self.cfg.resolved_h_min) / (1.0 + LINK_MARGIN)
 
     def _fixed_tau(self, h: int) -> int:
         """--dilocox-overlap-steps N: min(N, H); for 0 (adaptive, the default) the most a round may take: H."""
