@@ -3,7 +3,7 @@
 θ are the fp32 parameters this rank's inner optimizer owns (updated in place); φ the global model
 (anchor); e the error feedback inside the codec.
 
-    start():   θ ← φ ← broadcast(θ) from cluster 0
+    start():   θ ← φ ← broadcast(θ) from cluster 0;  link budget: probe the link (sizes rounds 1-2)
     every H_t inner steps, boundary():
         δ_t ← θ_start − θ
         overlap=none:
