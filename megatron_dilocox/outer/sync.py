@@ -45,11 +45,11 @@ import torch
 from megatron_dilocox.compression import adaptive
 from megatron_dilocox.compression.codec import ExchangeResult, PayloadError, PseudoGradientCodec
 from megatron_dilocox.compression.collective import Collective, SoloCollective
-from megatron_dilocox.compression.quantize import bytes_as
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer import handover, report
+from megatron_dilocox.outer.link import LINK_MARGIN, agree_on_cluster, probe_link
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
 
@@ -60,33 +60,6 @@ log = logging.getLogger("megatron_dilocox")
 # stalls training, while a τ one step longer only keeps the stand-in one step longer (byte model, H=20: τ = 1
 # +0.7% vs synchronous DiLoCo, τ = 5 +1.3%, τ = H +1.5%)
 TAU_MARGIN = 1.0
-# the link budget sizes a round's transfer to half the steps it has to hide in: the rate it scales comes from
-# earlier rounds' payloads and varies (a tbf bucket's burst, host load, the other cluster's compute); with the
-# adaptive-H margin (10%) instead, the ratio-325 link at H=10 exposed ~10% of wall time and H rose to 15
-LINK_MARGIN = 1.0
-# the link probe at start (link budget only): one all-gather of this many bytes (or a whole round's payload, if
-# less); rounds 1 and 2 are sized with its rate. Well above a shaper's burst (wan.py's tbf bucket is ~68 kB at
-# 650 kbit/s, which a 64 KiB probe crossed as if it were loopback), small enough that a slow link pays little
-# (~3 s at 650 kbit/s, once). Latency counts as transfer time, so on a high-latency link it errs toward
-# compressing; round 3 on is sized from the payloads themselves
-PROBE_BYTES = 1 << 18
-
-
-# a link-budget rank of 0 (whole) ordered above every low rank, so that levels order by bytes
-WHOLE_LEVEL = float(1 << 30)
-
-
-def agree_on_cluster(intra: IntraCluster, h: int, rank: int, tau: int, by_bytes: bool) -> tuple[int, int, int]:
-    """One H, rank and τ for every rank of a cluster (they step together): the largest H and τ. The rank: the
-    largest, except under the link budget (``by_bytes``), where each rank proposed what *its* transfer over
-    the shared link carries: then the cluster takes the one that sends the fewest bytes (whole = 0 sends the
-    most), so no rank's transfer outgrows the time it has to hide in."""
-    if not by_bytes:
-        h, rank, tau = intra.reduce([h, rank, tau], "max")
-        return int(h), int(rank), int(tau)
-    level = rank if rank > 0 else WHOLE_LEVEL
-    h, neg_level, tau = intra.reduce([h, -level, tau], "max")
-    return int(h), (0 if -neg_level >= WHOLE_LEVEL else int(-neg_level)), int(tau)
 
 
 class DivergedError(FloatingPointError):
@@ -151,32 +124,9 @@ class DiLoCoXSync:
         self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
         self._restart_round_at_anchor()
         if self.link_budget and self.seconds_per_byte_prev == 0:
-            self.seconds_per_byte_prev = self._probe_link()
+            self.seconds_per_byte_prev = probe_link(self.group, self.codec.payload_sizes(0)[0])
         self._last_hook = time.perf_counter()
         return self
-
-    def _probe_link(self) -> float:
-        """Seconds per byte of the inter-cluster link, from one all-gather of PROBE_BYTES (at most a whole round's
-        payload), agreed (the slowest
-        cluster's figure) so that every cluster sizes rounds 1 and 2 alike. Without it they went at the initial
-        rank before anything was measured: at H=50 the global model missed most of its first 100 iterations'
-        progress until round 3 sent the error feedback (README, "Convergence")."""
-        if self.group.size < 2:
-            return 0.0
-        # never more than a round sends (latency is not spread thinner), agreed first: a cluster of other
-        # settings must reach the round-1 header (which names the difference), not a mismatched all-gather
-        n = int(min(self._gather_floats([min(PROBE_BYTES, self.codec.payload_sizes(0)[0])])))
-        if n <= 0:
-            return 0.0
-        counter = self.group.counter
-        seconds, sent = counter.seconds, counter.sent
-        self.group.all_gather(torch.zeros(n, dtype=torch.uint8))
-        return max(self._gather_floats([(counter.seconds - seconds) / max(counter.sent - sent, 1)]))
-
-    def _gather_floats(self, values) -> list[float]:
-        """Every cluster's ``values`` (float64), concatenated in cluster order."""
-        mine = torch.tensor(values, dtype=torch.float64).view(torch.uint8)
-        return [float(v) for f in self.group.all_gather(mine) for v in bytes_as(f, torch.float64)]
 
     def _same_everywhere(self, flat: torch.Tensor) -> bool:
         """True when every cluster already holds bitwise these values (one 32-byte digest each): then the
@@ -408,19 +358,21 @@ class DiLoCoXSync:
             rank = 0  # nothing low-rank on this rank: whole, i.e. no say in the cluster's choice below
         elif self.link_budget and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
             # the rank (0: whole) the link carries in the steps the round has to hide in
-            hide = self._fixed_tau(self.cfg.resolved_h_min)  # τ when fixed, else the H you asked for
-            rank = self.codec.link_rank(hide * result.peer_step_seconds / (1.0 + LINK_MARGIN),
+            rank = self.codec.link_rank(self._link_steps() * result.peer_step_seconds,
                                         result.peer_seconds_per_byte, result.num_clusters)
         h, rank, tau = agree_on_cluster(self.intra, h, rank, tau, by_bytes=self.link_budget)
         self.h, self.tau = h, min(tau, h)
         self.codec.set_rank(rank, result.round)
 
+    def _link_steps(self) -> float:
+        """Link budget: the inner steps a round's transfer may take, a margin inside the steps it has to hide
+        in (τ when fixed, else the H you asked for)."""
+        return self._fixed_tau(self.cfg.resolved_h_min) / (1.0 + LINK_MARGIN)
+
     def _first_round_link_steps(self, round_idx: int) -> float:
         """Round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
-        header every cluster shares (no landing has run _adapt yet): the steps its transfer may take."""
-        if not (self.link_budget and round_idx == 1):
-            return 0.0
-        return self._fixed_tau(self.cfg.resolved_h_min) / (1.0 + LINK_MARGIN)
+        header every cluster shares (no landing has run _adapt yet)."""
+        return self._link_steps() if self.link_budget and round_idx == 1 else 0.0
 
     def _fixed_tau(self, h: int) -> int:
         """--dilocox-overlap-steps N: min(N, H); for 0 (adaptive, the default) the most a round may take: H."""

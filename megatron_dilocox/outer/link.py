@@ -1,0 +1,56 @@
+"""The link budget's pieces that are not round logic: the probe that sizes rounds 1-2, and how a cluster's ranks
+agree on one rank. Pure PyTorch over a ``Collective`` (no Megatron)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_dilocox.compression.quantize import bytes_as
+from megatron_dilocox.outer.cluster import IntraCluster
+
+# the link budget sizes a round's transfer to half the steps it has to hide in: the rate it scales comes from
+# earlier rounds' payloads and varies (a tbf bucket's burst, host load, the other cluster's compute); with the
+# adaptive-H margin (10%) instead, the ratio-325 link at H=10 exposed ~10% of wall time and H rose to 15
+LINK_MARGIN = 1.0
+# the probe at start: one all-gather of this many bytes (or a whole round's payload, if less). Well above a
+# shaper's burst (wan.py's tbf bucket is ~68 kB at 650 kbit/s, which a 64 KiB probe crossed as if it were
+# loopback), small enough that a slow link pays little (~3 s at 650 kbit/s, once). Latency counts as transfer
+# time, so on a high-latency link it errs toward compressing; round 3 on is sized from the payloads themselves
+PROBE_BYTES = 1 << 18
+# a rank of 0 (whole) ordered above every low rank, so that the levels order by bytes
+WHOLE_LEVEL = float(1 << 30)
+
+
+def probe_link(group, whole_payload_bytes: int) -> float:
+    """Seconds per byte of the inter-cluster link (0: nothing to measure), agreed: the slowest cluster's figure,
+    so that every cluster sizes rounds 1 and 2 alike. Without it they went at the initial rank before anything
+    was measured: at H=50 the global model missed most of its first 100 iterations' progress until round 3
+    sent the error feedback (README, "Convergence")."""
+    if group.size < 2:
+        return 0.0
+    # never more than a round sends (latency is not spread thinner), agreed first: a cluster of other settings
+    # must reach the round-1 header (which names the difference), not a mismatched all-gather
+    n = int(min(gather_floats(group, [min(PROBE_BYTES, whole_payload_bytes)])))
+    if n <= 0:
+        return 0.0
+    seconds, sent = group.counter.seconds, group.counter.sent
+    group.all_gather(torch.zeros(n, dtype=torch.uint8))
+    return max(gather_floats(group, [(group.counter.seconds - seconds) / max(group.counter.sent - sent, 1)]))
+
+
+def gather_floats(group, values) -> list[float]:
+    """Every cluster's ``values`` (float64), concatenated in cluster order."""
+    mine = torch.tensor(values, dtype=torch.float64).view(torch.uint8)
+    return [float(v) for f in group.all_gather(mine) for v in bytes_as(f, torch.float64)]
+
+
+def agree_on_cluster(intra: IntraCluster, h: int, rank: int, tau: int, by_bytes: bool) -> tuple[int, int, int]:
+    """One H, rank and τ for every rank of a cluster (they step together): the largest H and τ. The rank: the
+    largest, except under the link budget (``by_bytes``), where each rank proposed what *its* transfer over
+    the shared link carries: then the cluster takes the one that sends the fewest bytes (whole = 0 sends the
+    most), so no rank's transfer outgrows the time it has to hide in."""
+    if not by_bytes:
+        h, rank, tau = intra.reduce([h, rank, tau], "max")
+        return int(h), int(rank), int(tau)
+    level = rank if rank > 0 else WHOLE_LEVEL
+    h, neg_level, tau = intra.reduce([h, -level, tau], "max")
+    return int(h), (0 if -neg_level >= WHOLE_LEVEL else int(-neg_level)), int(tau)
