@@ -62,7 +62,9 @@ class DiLoCoXConfig:
     overlap_steps: Optional[int] = knob(0, "τ: the average of a round is applied τ inner steps into the next "
                                            "round (the local progress of those τ steps is kept on top of it). "
                                            "0: twice the measured transfer in steps, in [1, H], each round (the "
-                                           "first two, before a transfer is measured, at 1); N: min(N, H) "
+                                           "first two, before a transfer is measured, at 1), and 0 "
+                                           "(synchronous) where that is H and the transfer takes under half a "
+                                           "step (always the case at H = 1 on a fast link); N: min(N, H) "
                                            "(N >= --dilocox-h-max: at the next boundary, the paper's one-step "
                                            "delay)")
 

@@ -155,6 +155,34 @@ def test_adaptive_tau_follows_the_measured_transfer(monkeypatch):
     assert sync.h == 4
 
 
+def test_adaptive_tau_lands_at_the_boundary_when_the_round_could_land_only_at_its_end(monkeypatch):
+    """H = 1 under --dilocox-overlap-steps 0: τ can only be H = 1 (the whole round on the stand-in), so a
+    round whose transfer took at most SYNC_LANDING_STEPS of a step lands at its own boundary (τ = 0) and
+    training goes on from φ exactly; a slower one keeps τ = 1. Expected from the figures each round carried."""
+    from megatron_dilocox.outer.sync import SYNC_LANDING_STEPS
+    seen, after = [], []
+    adapt, boundary = DiLoCoXSync._adapt, DiLoCoXSync.boundary
+
+    def recording_adapt(self, result):
+        seen.append((result.peer_comm_seconds, result.peer_step_seconds))
+        adapt(self, result)
+
+    def recording_boundary(self):
+        boundary(self)
+        after.append(all(torch.equal(p, a) for p, a in zip(self.params, self.anchor)))
+    monkeypatch.setattr(DiLoCoXSync, "_adapt", recording_adapt)
+    monkeypatch.setattr(DiLoCoXSync, "boundary", recording_boundary)
+    _, _, _, sync = train(12, dict(h=1, overlap="eager", lowrank=False, quant_bits=32, overlap_steps=0))
+    taus = [1] + [0 if 0 < t <= SYNC_LANDING_STEPS * s else 1 for t, s in seen]  # τ of rounds 1, 2, ...
+    landed = [r["launched_at"] + taus[r["round"] - 1] for r in sync.rows]
+    assert [r["iteration"] for r in sync.rows] == landed
+    assert sum(t == 0 for t in taus[:len(sync.rows)]) >= 1  # in-process transfers take far under half a step
+    # θ = φ after exactly the boundaries whose round landed at once (a delayed one leaves the stand-in φ + c)
+    assert after == [taus[k] == 0 for k in range(12)]
+    assert sync.rows[-1]["round"] == 12
+    sync.close()
+
+
 class _TwoRanks(IntraCluster):
     """The other rank of a two-rank cluster, as a fixed list: reduce() is what the collective returns."""
 
