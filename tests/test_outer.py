@@ -171,6 +171,7 @@ def test_adaptive_tau_lands_at_the_boundary_when_the_round_could_land_only_at_it
     def recording_boundary(self):
         boundary(self)
         after.append(all(torch.equal(p, a) for p, a in zip(self.params, self.anchor)))
+
     def slow_step(self):  # a 50 ms inner step: the test network's own is about as short as an in-process transfer
         time.sleep(0.05)
         return hook(self)
