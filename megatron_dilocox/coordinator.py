@@ -10,7 +10,10 @@ learns the run's shape (clusters, ranks per cluster, policy, timeout) from the c
 It holds nothing the clusters do not also hold. A restarted coordinator (or a woken standby) rebuilds
 its state from the views the clusters send with their new proofs: the newest verdict any rank has read
 is published again (a rank that missed it gets the same one, so no round is applied twice or lost), and
-the rounds go on from there. Only torch's TCPStore is used; Megatron is never imported.
+the rounds go on from there. A rank that asks without a view while the coordinator has heard from no member
+is either a fresh run's or a restarted cluster's that came back first; it is answered only when that is known
+(every rank asked: a fresh run; a member's view arrived: a rejoin). Only torch's TCPStore is used; Megatron is
+never imported.
 """
 from __future__ import annotations
 
@@ -68,6 +71,7 @@ class Coordinator:
         self.m: Optional[Membership] = None
         self.phase = "forming"  # -> running; or recovering (the first request carried a view) -> running
         self.proved: set = set()
+        self.undecided: list = []  # (request, cluster, local rank, body) asked without a view while forming
         self.reports: dict = {}
         self.recover_until = 0.0
         self.next_req, self.req_stuck_since = 1, None
@@ -91,9 +95,11 @@ class Coordinator:
                 return
             self.req_stuck_since = None
             n, self.next_req = self.next_req, self.next_req + 1
-            self.store.set(f"{PREFIX}/ans/{n}", json.dumps(self._answer(json.loads(self.store.get(key)))))
+            answer = self._answer(n, json.loads(self.store.get(key)))
+            if answer is not None:
+                self.store.set(f"{PREFIX}/ans/{n}", json.dumps(answer))
 
-    def _answer(self, req: dict) -> dict:
+    def _answer(self, n: int, req: dict) -> Optional[dict]:
         text = req["body"]
         if not hmac.compare_digest(req["mac"], mac(self.secret, "peer", self.session, text)):
             log.error("DiLoCoX coordinator: refused a request whose proof does not match this coordinator's secret")
@@ -113,20 +119,32 @@ class Coordinator:
                       "ranks per cluster"}
         self.timeout = self.m.timeout = max(self.timeout, float(shape["timeout"]))
         report = body["report"]
+        if report is None and self.phase == "forming":
+            # a fresh run's rank, or a restarted cluster's that reached a restarted coordinator before any member
+            # sent its view: answered when every rank has asked (a fresh run) or a view arrives (a rejoin)
+            self.proved.add((c, k))
+            self.undecided.append((n, c, k, text))
+            return None
         if report is not None and self.phase == "forming":
             self.phase, self.recover_until = "recovering", time.monotonic() + self.timeout
             log.warning("DiLoCoX coordinator: the run is in progress; rebuilding its state from the clusters")
+            self._answer_undecided(joining=True)
         if report is not None:
             self.reports[(c, k)] = report
             if self.phase == "running" and report["last"] and \
                     _order(report["last"][0]) >= (self.m.epoch, self.m.seq):  # a verdict the old one gave
                 self._adopt(*report["last"])                                  # that this one has not
-        joining = self.phase != "forming" and report is None
-        if self.phase == "forming":
-            self.proved.add((c, k))
+        return self._grant(c, k, text, joining=report is None)
+
+    def _grant(self, c: int, k: int, text: str, joining: bool) -> dict:
         log.info("DiLoCoX coordinator: cluster %d local rank %d proved the secret%s", c, k,
                  " (rejoining)" if joining else "")
         return {"ok": True, "joining": joining, "mac": mac(self.secret, "host", self.session, text, joining)}
+
+    def _answer_undecided(self, joining: bool):
+        for n, c, k, text in self.undecided:
+            self.store.set(f"{PREFIX}/ans/{n}", json.dumps(self._grant(c, k, text, joining)))
+        self.undecided = []
 
     # ------------------------------------------------------------------------------------- phases
     def _start(self, epoch: int = 0, seq: int = 0, members: Optional[list] = None):
@@ -211,6 +229,7 @@ class Coordinator:
             self._requests()
             if self.phase == "forming" and self.shape and \
                     len(self.proved) == self.shape["num_clusters"] * self.shape["local_world"]:
+                self._answer_undecided(joining=False)
                 self._start()
             elif self.phase == "recovering":
                 self._watch()

@@ -119,7 +119,9 @@ def authenticate(store: TCPStore, address: str, cfg, local_rank: int, local_worl
         store.wait([f"{PREFIX}/ans/{n}"], timedelta(seconds=cfg.timeout_seconds))
         answer = json.loads(store.get(f"{PREFIX}/ans/{n}"))
     except Exception as exc:
-        raise RendezvousError(f"DiLoCoX: the coordinator at {address} did not answer {late}: {exc}") from exc
+        raise RendezvousError(f"DiLoCoX: the coordinator at {address} did not answer {late} (it answers a new run's "
+                              f"ranks once every cluster's ranks have asked: is every cluster started, with the same "
+                              f"--dilocox-num-clusters?): {exc}") from exc
     if not answer["ok"]:
         raise RendezvousError(f"DiLoCoX rendezvous refused by the coordinator at {address}: {answer['reason']}")
     if not hmac.compare_digest(answer["mac"], mac(cfg.secret, "host", session, body, answer["joining"])):

@@ -103,11 +103,22 @@ def test_two_coordinators_for_one_run_are_refused(tmp_path):
                           host_store=True)
         assert "start every cluster with --dilocox-coordinator standalone" in str(e.value)
         # a cluster of another shape is refused, naming the setting (the first proof sets the run's shape)
-        store = connect_store(cfg(a), host_store=False)
-        assert authenticate(store, a, cfg(a), 0, 1, None)[1] is False  # proved; the run is forming
+        store, store0 = (connect_store(cfg(a), host_store=False) for _ in range(2))  # a client per thread
+        got = {}
+        first_rank = threading.Thread(target=lambda: got.update(c0=authenticate(store0, a, cfg(a), 0, 1, None)))
+        first_rank.start()
+        deadline = time.monotonic() + 30
+        while store.add(f"{PREFIX}/requests", 0) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         with pytest.raises(RendezvousError) as e:
             authenticate(store, a, cfg(a, cluster=1, C=3), 0, 1, None)
         assert "cluster 1 does not fit this run: num_clusters 3 (the run has 2)" in str(e.value)
+        # a new run's first rank is answered only once every rank has asked (it could be a rejoining cluster's)
+        assert store.check([f"{PREFIX}/ans/2"]) and not store.check([f"{PREFIX}/ans/1"])
+        assert authenticate(store, a, cfg(a, cluster=1), 0, 1, None)[1] is False  # proved; the run is forming
+        first_rank.join(30)
+        assert got["c0"][1] is False
     finally:
         for c in (first, second, again):
             c.stop()
@@ -273,11 +284,14 @@ def test_a_cluster_lost_with_the_coordinator_is_not_waited_for_beyond_its_heartb
           f"{settled:.1f}s after it started listening (heartbeat silence {TIMEOUT:.0f}s, timeout {2 * TIMEOUT:.0f}s)")
 
 
-def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_by_the_next(tmp_path):
+@pytest.mark.parametrize("first", ["member", "joiner"])
+def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_by_the_next(tmp_path, first):
     """Cluster 1 (restarted after a loss) waits to be admitted; the coordinator dies before the next verdict.
     The joiner finds the restarted coordinator, proves the secret as a joiner (no view: it is no member),
-    asks again and is admitted by the next commit cluster 0 votes for. And an admission only cluster 0 read
-    before the coordinator died is published again under the joiner's key by the next one."""
+    asks again and is admitted by the next commit cluster 0 votes for. Whichever reaches the restarted one
+    first: a joiner first is answered only once cluster 0's view says the run is in progress. And an
+    admission only cluster 0 read before the coordinator died is published again under the joiner's key by
+    the next one."""
     address = f"127.0.0.1:{free_port()}"
     c0, c1 = (cfg(address, cluster=c, on_peer_failure="continue") for c in (0, 1))
     retry = {"action": "retry", "members": [0], "epoch": 1, "lost": [1], "admitted": [], "reason": "lost cluster 1"}
@@ -287,9 +301,8 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
     member_back = threading.Event()
 
     def reconnect():  # what InterClusterGroup._failover does (a loaded host may take a while to restart one)
-        # after cluster 0 gave the new coordinator its view: a joiner that reaches a restarted coordinator before
-        # any member is taken for a forming member (joining False; coordinator.py _answer), a known open race
-        assert member_back.wait(90)
+        if first == "member":
+            assert member_back.wait(90)
         deadline = time.monotonic() + 90
         while True:
             try:
@@ -318,6 +331,12 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
         time.sleep(1.0)
         coords.append(CoordinatorProcess(address, SECRET, str(tmp_path / "b.log"), "--keep-running"))
         store0 = connect_store(c0, host_store=False)
+        if first == "joiner":  # the joiner's request is in before cluster 0's (and waits for its view)
+            deadline = time.monotonic() + 90
+            while store0.add(f"{PREFIX}/requests", 0) < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert not store0.check([f"{PREFIX}/ans/1"])
         authenticate(store0, address, c0, 0, 1, view0)  # cluster 0's view: the new one rebuilds e1/x0 from it
         member_back.set()
         meta = PrefixStore("dilocox/m", store0)
