@@ -1,7 +1,9 @@
 """The WAN benchmark's --quick mode (real Megatron, 2 clusters in network namespaces behind a tbf link).
 
-Asserts the table's invariants from its JSON: DiLoCoX sends >= 37x fewer bytes than AllReduce and has
-higher tokens/s; every method trained the same number of tokens; the cost model's prediction is there.
+Asserts the table's invariants from its JSON: DiLoCoX sends >= 37x fewer bytes than AllReduce and >= 7x fewer
+than dense fp32 rounds (what uncompressed DiLoCo sends: the rows' own dense count, so CI skips running DiLoCo and
+fixed-rank DiLoCo on the link; the codec's closed forms are pinned in tests/test_compression.py) and has higher
+tokens/s than AllReduce; the cost model's prediction is there.
 """
 import json
 import os
@@ -16,19 +18,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN testbed needs root (network namespaces, tc)")
 def test_wan_benchmark_quick(tmp_path, kjv):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench", "wan_benchmark.py"), "--quick",
-                           "--data", str(kjv), "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200,
+                           "--skip", "diloco,diloco_comp", "--data", str(kjv), "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "quick invariants: ok" in proc.stdout
     out = json.load(open(tmp_path / "results.json"))
     r = out["results"]
     # the link budget sends what the link hides in H = 5 steps, at most the matrices whole in int4 (7.5x below
-    # fp32; at this ratio-20 link they fit): >= 5 x 7.5 = 37x below AllReduce, >= 7x below DiLoCo; fixed-rank
-    # compression (diloco_comp, rank 6 int4) >= 50x below DiLoCo
-    assert r["dilocox"]["bytes_fewer_than_allreduce"] >= 37
-    assert r["dilocox"]["tokens_per_s"] > r["allreduce"]["tokens_per_s"]
-    assert r["dilocox"]["bytes_total"] * 7 <= r["diloco"]["bytes_total"]
-    assert r["diloco_comp"]["bytes_total"] * 50 <= r["diloco"]["bytes_total"]
+    # fp32; at this ratio-20 link they fit): >= 5 x 7.5 = 37x below AllReduce, >= 7x below dense fp32 rounds
+    d = r["dilocox"]
+    assert set(r) == {"ceiling", "dilocox", "allreduce"}
+    assert d["bytes_fewer_than_allreduce"] >= 37
+    assert d["tokens_per_s"] > r["allreduce"]["tokens_per_s"]
+    assert d["bytes_total"] * 7 <= d["dense_per_round"] * d["rounds"]
     assert out["meta"]["predicted"]["speedup_vs_allreduce"] > 1
     assert (tmp_path / "wan_benchmark.png").stat().st_size > 10_000
 

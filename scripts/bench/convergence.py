@@ -13,6 +13,8 @@ everything on loopback (no shaped link: this measures loss, not speed). Equal to
   diloco_comp  --dilocox-overlap none + the main job's compression (rank 6, int4)
   delay        --dilocox-overlap one-step-delay, no compression
   dilocox      the product's defaults (one-step delay, adaptive rank) + the main job's compression
+  isolated     2 clusters x global batch 8, no DiLoCoX at all: each trains alone on its shard (the mean of
+               their validation losses): what a second cluster is worth is the gap from here to AllReduce
 
 ``--methods a,b,c`` picks from the table; ``--extra-method NAME='--dilocox-... ...'`` (repeatable) adds or
 replaces an entry (extra --dilocox flags on top of the fixed-H base) and runs it. ``--hs 10,50`` runs every
@@ -61,6 +63,7 @@ METHODS: dict[str, list[str] | None] = {  # name -> extra --dilocox flags (None:
     "diloco_comp": ["--dilocox-overlap", "none", *COMPRESSION],
     "delay": ["--dilocox-overlap", "one-step-delay", *NO_COMPRESSION],
     "dilocox": list(COMPRESSION),
+    "isolated": None,
 }
 DEFAULT_METHODS = "allreduce,diloco,diloco_comp,delay,dilocox"
 VALID_LINE = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: ([\d.Ee+-]+)")
@@ -108,6 +111,25 @@ def run_allreduce(a, flags, out):
     return dict(method="allreduce", H=None, flags=None, wall_seconds=round(wall, 1),
                 valid_curve=[(it, it * TOKENS_PER_ITER, v) for it, v in curve], final_valid_loss=final,
                 valid_by_cluster=None, train_loss={"0": sorted(logs[0].losses.items())},
+                rounds=0, bytes_per_round=None, bytes_total=None, dense_fp32_per_round=None,
+                compression_rel_error_mean=None, bytes_sent_per_round=[], rank_per_round=[])
+
+
+def run_isolated(a, flags, out):
+    """Each cluster alone on its shard, plain Megatron (no inter-cluster traffic): the no-communication floor."""
+    t0 = time.time()
+    codes, logs = run(CLUSTERS, a.pp, flags, dilocox_args=None, timeout=a.timeout, echo=a.echo,
+                      echo_filter=r"validation loss at", env={"WANDB_MODE": "offline"})
+    wall = time.time() - t0
+    if any(codes):
+        fail("isolated", codes, logs)
+    valid = [validation(log) for log in logs]
+    curve = [(it, sum(v[0][i][1] for v in valid) / CLUSTERS) for i, (it, _) in enumerate(valid[0][0])]
+    return dict(method="isolated", H=None, flags=None, wall_seconds=round(wall, 1),
+                valid_curve=[(it, it * TOKENS_PER_ITER, v) for it, v in curve],
+                final_valid_loss=sum(v[1] for v in valid) / CLUSTERS,
+                valid_by_cluster={str(c): dict(curve=v[0], final=v[1]) for c, v in enumerate(valid)},
+                train_loss={str(c): sorted(log.losses.items()) for c, log in enumerate(logs)},
                 rounds=0, bytes_per_round=None, bytes_total=None, dense_fp32_per_round=None,
                 compression_rel_error_mean=None, bytes_sent_per_round=[], rank_per_round=[])
 
@@ -188,7 +210,7 @@ def plot(out, results, hs):
             if r["H"] not in (None, h) or not r["valid_curve"]:
                 continue
             ax.plot([t for _, t, _ in r["valid_curve"]], [v for _, _, v in r["valid_curve"]], marker=".",
-                    label=r["method"], linestyle="--" if r["method"] == "allreduce" else "-")
+                    label=r["method"], linestyle={"allreduce": "--", "isolated": ":"}.get(r["method"], "-"))
         ax.set(xlabel="tokens (all clusters)", ylabel="validation loss (global model)", title=f"H = {h}")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -257,7 +279,7 @@ def parse_methods(a) -> tuple[dict, list[str]]:
     names = [m for m in a.methods.split(",") if m]
     for spec in a.extra_method:
         name, sep, flags = spec.partition("=")
-        if not sep or not name or name == "allreduce":
+        if not sep or not name or name in ("allreduce", "isolated"):
             raise SystemExit(f"--extra-method wants NAME='--dilocox-... flags', got {spec!r}")
         table_[name] = shlex.split(flags)
         if name not in names:
@@ -331,7 +353,8 @@ def main(argv=None):
     for n in names:
         for h in ([None] if methods[n] is None else hs):
             print(f"# run {n}" + ("" if h is None else f" H={h}"), flush=True)
-            r = run_allreduce(a, flags, out) if methods[n] is None else run_diloco(a, n, methods[n], h, flags, out)
+            r = (run_allreduce(a, flags, out) if n == "allreduce" else run_isolated(a, flags, out) if n == "isolated"
+                 else run_diloco(a, n, methods[n], h, flags, out))
             results.append(r)
             print(f"# {n}" + ("" if h is None else f" H={h}") + f": final validation loss {r['final_valid_loss']}, "
                   f"{r['wall_seconds']} s", flush=True)
