@@ -70,7 +70,6 @@ class Coordinator:
         self.timeout = 0.0
         self.m: Optional[Membership] = None
         self.phase = "forming"  # -> running; or recovering (the first request carried a view) -> running
-        self.proved: set = set()
         self.undecided: list = []  # (request, cluster, local rank, body) asked without a view while forming
         self.reports: dict = {}
         self.recover_until = 0.0
@@ -122,7 +121,6 @@ class Coordinator:
         if report is None and self.phase == "forming":
             # a fresh run's rank, or a restarted cluster's that reached a restarted coordinator before any member
             # sent its view: answered when every rank has asked (a fresh run) or a view arrives (a rejoin)
-            self.proved.add((c, k))
             self.undecided.append((n, c, k, text))
             return None
         if report is not None and self.phase == "forming":
@@ -140,6 +138,11 @@ class Coordinator:
         log.info("DiLoCoX coordinator: cluster %d local rank %d proved the secret%s", c, k,
                  " (rejoining)" if joining else "")
         return {"ok": True, "joining": joining, "mac": mac(self.secret, "host", self.session, text, joining)}
+
+    def _everyone_asked(self) -> bool:
+        """(Forming) every rank of the run has asked (a rank that asked twice counts once): a new run."""
+        asked = {(c, k) for _, c, k, _ in self.undecided}
+        return len(asked) == self.shape["num_clusters"] * self.shape["local_world"]
 
     def _answer_undecided(self, joining: bool):
         for n, c, k, text in self.undecided:
@@ -227,8 +230,7 @@ class Coordinator:
         last_check = 0.0
         while True:
             self._requests()
-            if self.phase == "forming" and self.shape and \
-                    len(self.proved) == self.shape["num_clusters"] * self.shape["local_world"]:
+            if self.phase == "forming" and self.shape and self._everyone_asked():
                 self._answer_undecided(joining=False)
                 self._start()
             elif self.phase == "recovering":

@@ -45,6 +45,14 @@ def spec(C, address, **dilocox):
     return base
 
 
+def wait_for_requests(store, count: int, timeout: float = 90.0):
+    """Until ``count`` requests have taken a ticket at the coordinator (posted, maybe not yet answered)."""
+    deadline = time.monotonic() + timeout
+    while store.add(f"{PREFIX}/requests", 0) < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def test_nobody_listening_is_refused_within_the_grace_naming_the_command():
     address = f"127.0.0.1:{free_port()}"
@@ -107,10 +115,7 @@ def test_two_coordinators_for_one_run_are_refused(tmp_path):
         got = {}
         first_rank = threading.Thread(target=lambda: got.update(c0=authenticate(store0, a, cfg(a), 0, 1, None)))
         first_rank.start()
-        deadline = time.monotonic() + 30
-        while store.add(f"{PREFIX}/requests", 0) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_requests(store, 1)
         with pytest.raises(RendezvousError) as e:
             authenticate(store, a, cfg(a, cluster=1, C=3), 0, 1, None)
         assert "cluster 1 does not fit this run: num_clusters 3 (the run has 2)" in str(e.value)
@@ -332,10 +337,7 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
         coords.append(CoordinatorProcess(address, SECRET, str(tmp_path / "b.log"), "--keep-running"))
         store0 = connect_store(c0, host_store=False)
         if first == "joiner":  # the joiner's request is in before cluster 0's (and waits for its view)
-            deadline = time.monotonic() + 90
-            while store0.add(f"{PREFIX}/requests", 0) < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_for_requests(store0, 1)
             assert not store0.check([f"{PREFIX}/ans/1"])
         authenticate(store0, address, c0, 0, 1, view0)  # cluster 0's view: the new one rebuilds e1/x0 from it
         member_back.set()

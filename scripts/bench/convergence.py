@@ -97,6 +97,11 @@ def fail(name, codes, logs):
     raise SystemExit(f"{name} failed (exit codes {codes}):\n{tail}")
 
 
+# the per-round fields of a method that has no rounds (AllReduce, isolated)
+NO_ROUNDS = dict(rounds=0, bytes_per_round=None, bytes_total=None, dense_fp32_per_round=None,
+                 compression_rel_error_mean=None, bytes_sent_per_round=[], rank_per_round=[])
+
+
 def run_allreduce(a, flags, out):
     """One Megatron world, DP2: the synchronous data-parallel baseline at the same tokens per iteration."""
     flags = flags + ["--global-batch-size", str(CLUSTERS * CLUSTER_BATCH),
@@ -111,8 +116,7 @@ def run_allreduce(a, flags, out):
     return dict(method="allreduce", H=None, flags=None, wall_seconds=round(wall, 1),
                 valid_curve=[(it, it * TOKENS_PER_ITER, v) for it, v in curve], final_valid_loss=final,
                 valid_by_cluster=None, train_loss={"0": sorted(logs[0].losses.items())},
-                rounds=0, bytes_per_round=None, bytes_total=None, dense_fp32_per_round=None,
-                compression_rel_error_mean=None, bytes_sent_per_round=[], rank_per_round=[])
+                **NO_ROUNDS)
 
 
 def run_isolated(a, flags, out):
@@ -130,8 +134,7 @@ def run_isolated(a, flags, out):
                 final_valid_loss=sum(v[1] for v in valid) / CLUSTERS,
                 valid_by_cluster={str(c): dict(curve=v[0], final=v[1]) for c, v in enumerate(valid)},
                 train_loss={str(c): sorted(log.losses.items()) for c, log in enumerate(logs)},
-                rounds=0, bytes_per_round=None, bytes_total=None, dense_fp32_per_round=None,
-                compression_rel_error_mean=None, bytes_sent_per_round=[], rank_per_round=[])
+                **NO_ROUNDS)
 
 
 def run_diloco(a, name, extra, h, flags, out):
