@@ -40,10 +40,11 @@ import torch
 from megatron_dilocox.compression import adaptive, lowrank
 from megatron_dilocox.compression.collective import (Collective, allgather_bytes, allreduce_bytes,
                                                      dense_allreduce_bytes)
+from megatron_dilocox.compression.layout import split_layout, unaliased
 from megatron_dilocox.compression.local_basis import LocalBasisExchange
 from megatron_dilocox.compression.norms import EXACT_IN_FP32 as _EXACT_IN_FP32, finite as _finite, sumsq as _sumsq
 from megatron_dilocox.compression.quantize import bytes_as, dequantize, payload_bytes, quantize
-from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
+from megatron_dilocox.config import DiLoCoXConfig
 
 MAGIC = 0x44694C6F  # "DiLo"
 HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step_seconds",
@@ -79,36 +80,6 @@ class ExchangeResult:
     local_ok: bool = True
     lost: list = field(default_factory=list)  # clusters lost in this round (status "stopped: ...")
     launched_at: int = 0  # the iteration whose boundary launched this round
-
-
-@dataclass
-class _Group:
-    """Same-shape matrices compressed together as a batch."""
-    rows: int
-    cols: int
-    members: list = field(default_factory=list)
-
-
-def split_layout(shapes: Sequence[torch.Size], config: DiLoCoXConfig) -> tuple[list[_Group], list[int]]:
-    """(low-rank groups of same-shape matrices, indices of the tensors sent whole). Raises the config error
-    for a rank above a matrix's min(rows, cols): the seam calls it before the rendezvous, so a bad rank is
-    reported at once rather than after waiting for the other clusters."""
-    by_shape: dict = {}
-    whole: list[int] = []
-    for i, s in enumerate(torch.Size(s) for s in shapes):
-        rows, cols = (s[0], s.numel() // s[0]) if len(s) >= 2 and s[0] > 0 else (0, 0)
-        if config.lowrank and min(rows, cols) >= config.lowrank_min_dim:
-            explicit = config.lowrank_rank if config.lowrank_rank_max is None else config.lowrank_rank_max
-            if explicit > min(rows, cols):
-                flag = "--dilocox-lowrank-rank" if config.lowrank_rank_max is None else "--dilocox-lowrank-rank-max"
-                raise DiLoCoXConfigError(
-                    f"{flag}: rank {explicit} exceeds min(rows, cols) = "
-                    f"{min(rows, cols)} of tensor {i} with shape {tuple(s)}; lower the rank or raise "
-                    f"--dilocox-lowrank-min-dim above {min(rows, cols)}")
-            by_shape.setdefault((rows, cols), _Group(rows, cols)).members.append(i)
-        else:
-            whole.append(i)
-    return list(by_shape.values()), whole
 
 
 class PseudoGradientCodec(LocalBasisExchange):
@@ -208,7 +179,7 @@ class PseudoGradientCodec(LocalBasisExchange):
     def _slab(self, pool: list, k: int, shape) -> torch.Tensor:
         """pool[k] when nothing outside the codec references its memory, else a new tensor."""
         old = pool[k] if k < len(pool) else None
-        if old is not None and old.shape == shape and _unaliased(old):
+        if old is not None and old.shape == shape and unaliased(old):
             return old
         return torch.empty(shape, dtype=torch.float32, device=self.device)
 
@@ -393,21 +364,6 @@ class PseudoGradientCodec(LocalBasisExchange):
         self.rank = int(state["rank"])
         self.error = state["error"]
         self.q = [q.to(self.device, torch.float32).clone() for q in state["q"]]
-
-
-_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private but stable (torch._inductor uses it)
-
-
-def _storage_refs(t: torch.Tensor) -> int:
-    return _use_count(t.untyped_storage()._cdata)
-
-
-_LONE = _storage_refs(torch.empty(1)) if _use_count else None  # what a tensor nothing else aliases counts
-
-
-def _unaliased(t: torch.Tensor) -> bool:
-    """No other tensor (view, snapshot alias, caller's result) shares ``t``'s memory."""
-    return _LONE is not None and _storage_refs(t) == _LONE
 
 
 def _residual_sq(m_sq: float, p: torch.Tensor, qt_local: torch.Tensor, qt_sent: torch.Tensor) -> float:

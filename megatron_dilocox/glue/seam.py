@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from megatron_dilocox.compression.codec import split_layout
+from megatron_dilocox.compression.layout import split_layout
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.glue import checkpoints
 from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views

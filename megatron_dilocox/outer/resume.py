@@ -1,0 +1,60 @@
+"""Saving and restoring a DiLoCoXSync with the inner optimizer's checkpoint (Megatron's or yours).
+
+The state is everything a resumed run needs to continue bitwise: the round counters, H and τ, the link
+measurements, φ and the round start, the outer momentum, the codec (error feedback, Q, rank) and a finished
+round not yet applied. An in-flight round is finished first and saved as its result, so a checkpoint never
+holds a transfer half done. A checkpoint written with different settings is refused, naming the settings.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_dilocox.compression.codec import ExchangeResult
+from megatron_dilocox.outer import plan
+from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
+
+
+def save(sync) -> dict:
+    if sync._in_flight is not None:
+        sync._done = sync._in_flight.result()
+        sync._in_flight = None
+    done = sync._done
+    return {
+        "config": sync.cfg.agreement_dict(),
+        "round": sync.round, "steps_in_round": sync.steps_in_round, "iteration": sync.iteration,
+        "h": sync.h, "tau": sync.tau, "comm_seconds_prev": sync.comm_seconds_prev, "step_seconds": sync.step_seconds,
+        "seconds_per_byte_prev": sync.seconds_per_byte_prev,
+        "anchor": [a.clone() for a in sync.anchor],
+        "round_start": [s.clone() for s in sync.round_start] if sync.delayed else None,
+        "outer": sync.outer.state_dict(),
+        "codec": sync.codec.state_dict(),
+        "pending": None if done is None else dict(vars(done), deltas=done.deltas and [d.clone() for d in done.deltas]),
+        "correction": None if sync.correction is None else sync.correction.state_dict(),
+    }
+
+
+@torch.no_grad()
+def load(sync, state: dict):
+    mine = sync.cfg.agreement_dict()
+    diff = sorted(k for k in set(mine) | set(state["config"]) if mine.get(k) != state["config"].get(k))
+    if diff:
+        raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}")
+    sync.round, sync.steps_in_round, sync.iteration = state["round"], state["steps_in_round"], state["iteration"]
+    sync.h, sync.comm_seconds_prev, sync.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
+    sync.tau = state.get("tau", plan.fixed_tau(sync.cfg, sync.h))  # checkpoints from before τ was saved (τ was H)
+    sync.seconds_per_byte_prev = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)
+    cfg, device = sync.cfg, sync.outer_device
+    sync.anchor = [a.to(device, torch.float32).clone() for a in state["anchor"]]
+    sync.outer = OuterNesterov(sync.anchor, cfg.outer_lr, cfg.resolved_outer_momentum, cfg.outer_nesterov)
+    sync.outer.load_state_dict(state["outer"])
+    sync.round_start = ([s.to(device, torch.float32).clone() for s in state["round_start"]]
+                        if sync.delayed else sync.anchor)
+    sync.codec.load_state_dict(state["codec"])
+    sync._done = None if state["pending"] is None else ExchangeResult(**state["pending"])
+    sync.correction = None
+    if state.get("correction") is not None:
+        sync.correction = LocalCorrection([a.shape for a in sync.anchor], cfg, device)
+        sync.correction.load_state_dict(state["correction"])
+    sync._last_hook = time.perf_counter()
