@@ -19,6 +19,10 @@ OUTER_STATE_DEVICES = ("cpu", "param")
 PEER_FAILURE_POLICIES = ("stop", "continue")
 COORDINATOR_MODES = ("embedded", "standalone")
 SECRET_ENV = "DILOCOX_SECRET"
+# default --dilocox-h-max = this x --dilocox-h. Adaptive H may lengthen rounds this far; the link budget does so
+# to send them whole rather than cut the rank (outer/plan.py). On the ratio-325 link the main job's whole int4
+# round took 18.1 s of 0.316 s steps, so at --dilocox-h 10 it hides at H = 115 (4x left it at 40, with rank 24)
+H_MAX_FACTOR = 20
 
 
 class DiLoCoXConfigError(ValueError):
@@ -52,7 +56,8 @@ class DiLoCoXConfig:
     # Rounds: H inner steps per outer round, adapted within [h_min, h_max].
     h: int = knob(50, "inner steps per outer round (initial H)")
     h_min: Optional[int] = knob(None, "lower bound for adaptive H (default: --dilocox-h)")
-    h_max: Optional[int] = knob(None, "upper bound for adaptive H (default: 4 x --dilocox-h)")
+    h_max: Optional[int] = knob(None, "upper bound for adaptive H (default: 20 x --dilocox-h, room for the link "
+                                      "budget's whole rounds on a slow link)")
     adaptive_h: bool = knob(True, "raise H when the transfer takes longer than H inner steps")
     adaptive_h_margin: float = knob(0.1, "adaptive H keeps the transfer this fraction shorter than a round")
     overlap: str = knob("eager", "none (synchronous DiLoCo), one-step-delay or eager (both: the transfer hidden "
@@ -93,8 +98,9 @@ class DiLoCoXConfig:
                                          "is measured)")
     link_budget: bool = knob(True, "with overlap and adaptive rank: size each round to the measured link, i.e. "
                                    "send the matrices whole (quantized) when that transfer takes at most half of "
-                                   "--dilocox-overlap-steps (or --dilocox-h-min) inner steps, else the largest rank "
-                                   "that does (README: convergence)")
+                                   "--dilocox-overlap-steps (or --dilocox-h-min) inner steps; with adaptive H and "
+                                   "τ, first lengthen the rounds (up to --dilocox-h-max) until it does; else the "
+                                   "largest rank that does (README: convergence)")
     lowrank_basis: str = knob("local", "local: each cluster sends its own best rank-r factors (subspace iteration, "
                                         "all-gathered); shared: PowerSGD's one power iteration in a basis all "
                                         "clusters share (README: convergence)")
@@ -123,7 +129,7 @@ class DiLoCoXConfig:
 
     @property
     def resolved_h_max(self) -> int:
-        return max(4 * self.h, self.resolved_h_min) if self.h_max is None else self.h_max
+        return max(H_MAX_FACTOR * self.h, self.resolved_h_min) if self.h_max is None else self.h_max
 
     @property
     def resolved_outer_momentum(self) -> float:

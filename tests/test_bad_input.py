@@ -119,7 +119,7 @@ ROWS = [
     row("h-min-0", ["--dilocox", "--dilocox-h-min", "0"], CFG + "--dilocox-h-min: must be >= 1, got 0"),
     row("h-max-0", ["--dilocox", "--dilocox-h-max", "0"], CFG + "--dilocox-h-max: must be >= 1, got 0"),
     row("h-below-h-min", ["--dilocox", "--dilocox-h", "10", "--dilocox-h-min", "20"],
-        CFG + "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [20, 40], got 10"),
+        CFG + "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [20, 200], got 10"),
     row("h-above-h-max", ["--dilocox", "--dilocox-h", "10", "--dilocox-h-max", "5"],
         CFG + "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [10, 5], got 10"),
     row("default-h-above-h-max", ["--dilocox", "--dilocox-h-max", "20"],

@@ -22,7 +22,7 @@ INVALID = [
     (dict(timeout_seconds=0), "--dilocox-timeout-seconds: must be a positive number of seconds, got 0"),
     (dict(h=0), "--dilocox-h: must be >= 1, got 0"),
     (dict(h=2.5), "--dilocox-h: must be an integer, got 2.5"),
-    (dict(h=10, h_min=20), "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [20, 40], got 10"),
+    (dict(h=10, h_min=20), "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [20, 200], got 10"),
     (dict(h=10, h_max=5), "--dilocox-h: must lie within [--dilocox-h-min, --dilocox-h-max] = [10, 5], got 10"),
     (dict(adaptive_h_margin=-0.1), "--dilocox-adaptive-h-margin: must be in [0, 10], got -0.1"),
     (dict(overlap_steps=-1), "--dilocox-overlap-steps: must be >= 0, got -1"),
@@ -58,7 +58,7 @@ def test_invalid_setting_raises_documented_message(kwargs, message, monkeypatch)
 
 def test_defaults_and_resolved_bounds():
     cfg = DiLoCoXConfig().validate()
-    assert (cfg.resolved_h_min, cfg.h, cfg.resolved_h_max) == (50, 50, 200)
+    assert (cfg.resolved_h_min, cfg.h, cfg.resolved_h_max) == (50, 50, 1000)
     assert (cfg.resolved_rank_min, cfg.lowrank_rank, cfg.resolved_rank_max) == (1, 16, 64)
     assert cfg.overlap == "eager" and cfg.quant_bits == 4
     # outer momentum: 0.3 in every overlap mode (README: convergence), unless given

@@ -160,7 +160,7 @@ def test_adaptive_tau_lands_at_the_boundary_when_the_round_could_land_only_at_it
     """H = 1 under --dilocox-overlap-steps 0: τ can only be H = 1 (the whole round on the stand-in), so a
     round whose transfer took at most SYNC_LANDING_STEPS of a step lands at its own boundary (τ = 0) and
     training goes on from φ exactly; a slower one keeps τ = 1. Expected from the figures each round carried."""
-    from megatron_dilocox.outer.sync import SYNC_LANDING_STEPS
+    from megatron_dilocox.outer.plan import SYNC_LANDING_STEPS
     seen, after = [], []
     adapt, boundary, hook = DiLoCoXSync._adapt, DiLoCoXSync.boundary, DiLoCoXSync.after_inner_step
 

@@ -25,12 +25,17 @@ def choose_rank(cum_energy: Sequence[float], total_energy: float, rank: int, thr
     return max(rank_min, enough, rank // 2)
 
 
+def steps_to_hide(comm_seconds: float, step_seconds: float, margin: float) -> int:
+    """Inner steps a transfer of ``comm_seconds`` needs to hide behind, ``margin`` to spare: ceil(T_comm / T_step
+    * (1 + margin))."""
+    return math.ceil(comm_seconds / step_seconds * (1.0 + margin))
+
+
 def choose_h(comm_seconds: float, step_seconds: float, h: int, margin: float, h_min: int, h_max: int) -> int:
-    """Next H: ceil(T_comm / T_step * (1 + margin)), clamped to [h_min, h_max]; unchanged without data."""
+    """Next H: ``steps_to_hide``, clamped to [h_min, h_max]; unchanged without data."""
     if comm_seconds <= 0 or step_seconds <= 0:
         return h
-    need = math.ceil(comm_seconds / step_seconds * (1.0 + margin))
-    return min(h_max, max(h_min, need))
+    return min(h_max, max(h_min, steps_to_hide(comm_seconds, step_seconds, margin)))
 
 
 def choose_rank_for_link(round_bytes: Callable[[int], int], seconds: float, seconds_per_byte: float,

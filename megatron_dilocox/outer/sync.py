@@ -23,7 +23,7 @@
         θ ← φ + (θ − θ_s);  θ_s ← φ                       (the real average replaces the stand-in; the τ
                                                            steps of local progress stay, and the next δ
                                                            counts them)
-    after each landing: r, H, τ ← adapt(values every cluster received in the same payload)
+    after each landing: r, H, τ ← plan(values every cluster received in the same payload)   (plan.py)
 
 τ = H by default (the one-step delay); --dilocox-overlap-steps N lands it earlier, 0 as early as twice the
 measured transfer allows (Streaming DiLoCo's overlap of τ inner steps, Douillard et al. 2025): the stand-in
@@ -43,29 +43,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_dilocox.compression import adaptive
 from megatron_dilocox.compression.codec import ExchangeResult, PayloadError, PseudoGradientCodec
 from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import handover, report
-from megatron_dilocox.outer.link import LINK_MARGIN, agree_on_cluster, probe_link
+from megatron_dilocox.outer import handover, plan, report, resume
+from megatron_dilocox.outer.link import probe_link
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
 
 log = logging.getLogger("megatron_dilocox")
-
-
-# τ leaves twice the measured transfer: τ is sized from a transfer one round old (as H is), and a wait at τ
-# stalls training, while a τ one step longer only keeps the stand-in one step longer (byte model, H=20: τ = 1
-# +0.7% vs synchronous DiLoCo, τ = 5 +1.3%, τ = H +1.5%)
-TAU_MARGIN = 1.0
-
-# A round that could land only at its own end (τ = H; always at H = 1) lands at once (τ = 0) when its transfer
-# takes at most this many inner steps: at τ = H every step of the round trains on the stand-in (Python docs,
-# H = 1, 1000 Megatron iterations: +12% validation loss vs synchronous DiLoCo), and the wait costs at most this.
-SYNC_LANDING_STEPS = 0.5
 
 
 class DivergedError(FloatingPointError):
@@ -91,7 +79,7 @@ class DiLoCoXSync:
         self.local_weight = config.resolved_local_weight  # w: 1 for one-step-delay, (1 + 1/C)/2 for eager
         self.correction: Optional[LocalCorrection] = None  # eager: this cluster's fresh-term proxy
         self.h = config.h
-        self.tau = self._initial_tau(config.h)  # τ: landing step of the round in flight (≤ H)
+        self.tau = plan.initial_tau(config, config.h)  # τ: landing step of the round in flight (≤ H)
         self.round = 0  # rounds completed (launched) so far
         self.steps_in_round = 0
         self.iteration = 0
@@ -204,7 +192,7 @@ class DiLoCoXSync:
             self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration)
             self._set_params(self._local_start(delta))
             self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
-            if self.tau == 0:  # synchronous landing (SYNC_LANDING_STEPS): θ = φ + (θ − θ_s) = φ exactly
+            if self.tau == 0:  # synchronous landing (plan.SYNC_LANDING_STEPS): θ = φ + (θ − θ_s) = φ exactly
                 self.land()
 
     @torch.no_grad()
@@ -280,13 +268,16 @@ class DiLoCoXSync:
         """One round's exchange, committed only when every member agrees (membership.py); a failed
         attempt leaves the codec as it was and, per the verdict, is retried by the survivors or dropped."""
         t0, wall0 = time.perf_counter(), time.time()
+        # round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
+        # header every cluster shares (no landing has run _adapt yet)
+        first_link_steps = plan.link_steps(self.cfg) if self.link_budget and round_idx == 1 else 0.0
         while True:
             snapshot = self.codec.snapshot()
             attempt_start = time.perf_counter()
             try:
                 result, outcome = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev,
                                                       self.step_seconds, self.seconds_per_byte_prev,
-                                                      link_steps=self._first_round_link_steps(round_idx)), "ok"
+                                                      link_steps=first_link_steps), "ok"
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
             except PayloadError as exc:
                 result, outcome = None, f"refused:{exc}"
@@ -353,47 +344,9 @@ class DiLoCoXSync:
         self._write_row(result, exposed, h_used, rank_used)
 
     def _adapt(self, result: ExchangeResult):
-        """Same inputs on every cluster (from the payload), then one value per cluster (agree_on_cluster)."""
-        h = self.h
-        if self.cfg.adaptive_h:
-            h = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, self.h,
-                                  self.cfg.adaptive_h_margin, self.cfg.resolved_h_min, self.cfg.resolved_h_max)
-        tau = self._fixed_tau(h)
-        if self.cfg.overlap_steps == 0:  # as short as the measured transfer allows
-            tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, self.tau, TAU_MARGIN, 1, h)
-            if tau >= h and 0 < result.peer_comm_seconds <= SYNC_LANDING_STEPS * result.peer_step_seconds:
-                tau = 0  # land at the boundary: a stale whole round costs more than this wait
-        rank = result.next_rank
-        if self.link_budget and not self.codec.groups:
-            rank = 0  # nothing low-rank on this rank: whole, i.e. no say in the cluster's choice below
-        elif self.link_budget and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
-            # the rank (0: whole) the link carries in the steps the round has to hide in
-            rank = self.codec.link_rank(self._link_steps() * result.peer_step_seconds,
-                                        result.peer_seconds_per_byte, result.num_clusters)
-        h, rank, tau = agree_on_cluster(self.intra, h, rank, tau, by_bytes=self.link_budget)
-        self.h, self.tau = h, min(tau, h)
+        """The next round's H, rank and τ (plan.py): the same on every rank of every cluster."""
+        self.h, rank, self.tau = plan.next_round(self, result)
         self.codec.set_rank(rank, result.round)
-
-    def _link_steps(self) -> float:
-        """Link budget: the inner steps a round's transfer may take, a margin inside the steps it has to hide
-        in (τ when fixed, else the H you asked for)."""
-        return self._fixed_tau(self.cfg.resolved_h_min) / (1.0 + LINK_MARGIN)
-
-    def _first_round_link_steps(self, round_idx: int) -> float:
-        """Round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
-        header every cluster shares (no landing has run _adapt yet)."""
-        return self._link_steps() if self.link_budget and round_idx == 1 else 0.0
-
-    def _fixed_tau(self, h: int) -> int:
-        """--dilocox-overlap-steps N: min(N, H); for 0 (adaptive, the default) the most a round may take: H."""
-        return h if not self.cfg.overlap_steps else min(self.cfg.overlap_steps, h)
-
-    def _initial_tau(self, h: int) -> int:
-        """τ of the rounds before a transfer is measured. Adaptive: 1, land as soon as possible. Landing the
-        first two rounds at H instead leaves the global model a round behind early, when a round moves it
-        most (H=50, 1000 Megatron iterations, final validation: docs 4.747 -> 4.700, KJV 4.063 -> 4.079;
-        README, "Convergence"). A transfer longer than a step then waits at step 1, twice per run."""
-        return 1 if self.cfg.overlap_steps == 0 else self._fixed_tau(h)
 
     def _restart_round_at_anchor(self):
         """The next δ is measured from φ (in none mode the round start *is* the anchor); no local proxy."""
@@ -422,43 +375,8 @@ class DiLoCoXSync:
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Everything needed to resume; an in-flight round is finished first and saved as its result."""
-        if self._in_flight is not None:
-            self._done = self._in_flight.result()
-            self._in_flight = None
-        done = self._done
-        return {
-            "config": self.cfg.agreement_dict(),
-            "round": self.round, "steps_in_round": self.steps_in_round, "iteration": self.iteration,
-            "h": self.h, "tau": self.tau, "comm_seconds_prev": self.comm_seconds_prev, "step_seconds": self.step_seconds,
-            "seconds_per_byte_prev": self.seconds_per_byte_prev,
-            "anchor": [a.clone() for a in self.anchor],
-            "round_start": [s.clone() for s in self.round_start] if self.delayed else None,
-            "outer": self.outer.state_dict(),
-            "codec": self.codec.state_dict(),
-            "pending": None if done is None else dict(vars(done), deltas=done.deltas and [d.clone() for d in done.deltas]),
-            "correction": None if self.correction is None else self.correction.state_dict(),
-        }
+        """Everything needed to resume (resume.py); an in-flight round is finished first and saved as its result."""
+        return resume.save(self)
 
-    @torch.no_grad()
     def load_state_dict(self, state: dict):
-        mine = self.cfg.agreement_dict()
-        diff = sorted(k for k in set(mine) | set(state["config"]) if mine.get(k) != state["config"].get(k))
-        if diff:
-            raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}")
-        self.round, self.steps_in_round, self.iteration = state["round"], state["steps_in_round"], state["iteration"]
-        self.h, self.comm_seconds_prev, self.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
-        self.tau = state.get("tau", self._fixed_tau(self.h))  # checkpoints from before τ was saved (τ was H)
-        self.seconds_per_byte_prev = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)
-        self.anchor = [a.to(self.outer_device, torch.float32).clone() for a in state["anchor"]]
-        self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
-        self.outer.load_state_dict(state["outer"])
-        self.round_start = ([s.to(self.outer_device, torch.float32).clone() for s in state["round_start"]]
-                            if self.delayed else self.anchor)
-        self.codec.load_state_dict(state["codec"])
-        self._done = None if state["pending"] is None else ExchangeResult(**state["pending"])
-        self.correction = None
-        if state.get("correction") is not None:
-            self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
-            self.correction.load_state_dict(state["correction"])
-        self._last_hook = time.perf_counter()
+        resume.load(self, state)

@@ -1,0 +1,91 @@
+"""What the next round looks like: H (its length), τ (when it lands) and the rank it sends (DESIGN §3).
+
+Decided after each landing from values every cluster received in the same payload, then agreed on inside the
+cluster (one value per cluster), so every rank of every cluster takes the same plan. Pure PyTorch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_dilocox.compression import adaptive
+from megatron_dilocox.outer.link import LINK_MARGIN, agree_on_cluster
+
+# τ leaves twice the measured transfer: τ is sized from a transfer one round old (as H is), and a wait at τ
+# stalls training, while a τ one step longer only keeps the stand-in one step longer (byte model, H=20: τ = 1
+# +0.7% vs synchronous DiLoCo, τ = 5 +1.3%, τ = H +1.5%)
+TAU_MARGIN = 1.0
+
+# A round that could land only at its own end (τ = H; always at H = 1) lands at once (τ = 0) when its transfer
+# takes at most this many inner steps: at τ = H every step of the round trains on the stand-in (Python docs,
+# H = 1, 1000 Megatron iterations: +12% validation loss vs synchronous DiLoCo), and the wait costs at most this.
+SYNC_LANDING_STEPS = 0.5
+
+
+def fixed_tau(cfg, h: int) -> int:
+    """--dilocox-overlap-steps N: min(N, H); for 0 (adaptive, the default) the most a round may take: H."""
+    return h if not cfg.overlap_steps else min(cfg.overlap_steps, h)
+
+
+def initial_tau(cfg, h: int) -> int:
+    """τ of the rounds before a transfer is measured. Adaptive: 1, land as soon as possible. Landing the
+    first two rounds at H instead leaves the global model a round behind early, when a round moves it
+    most (H=50, 1000 Megatron iterations, final validation: docs 4.747 -> 4.700, KJV 4.063 -> 4.079;
+    README, "Convergence"). A transfer longer than a step then waits at step 1, twice per run."""
+    return 1 if cfg.overlap_steps == 0 else fixed_tau(cfg, h)
+
+
+def link_steps(cfg) -> float:
+    """Link budget: the inner steps a round's transfer may take, a margin inside the steps it has to hide
+    in (τ when fixed, else the H you asked for)."""
+    return fixed_tau(cfg, cfg.resolved_h_min) / (1.0 + LINK_MARGIN)
+
+
+def next_round(sync, result) -> tuple[int, int, int]:
+    """(H, rank, τ) of the next round on this rank's cluster; ``result`` is the round that just landed."""
+    cfg = sync.cfg
+    h = sync.h
+    if cfg.adaptive_h:
+        h = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, sync.h,
+                              cfg.adaptive_h_margin, cfg.resolved_h_min, cfg.resolved_h_max)
+    tau = fixed_tau(cfg, h)
+    if cfg.overlap_steps == 0:  # as short as the measured transfer allows
+        tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, sync.tau, TAU_MARGIN, 1, h)
+        if tau >= h and 0 < result.peer_comm_seconds <= SYNC_LANDING_STEPS * result.peer_step_seconds:
+            tau = 0  # land at the boundary: a stale whole round costs more than this wait
+    rank = result.next_rank
+    if sync.link_budget and not sync.codec.groups:
+        rank = 0  # nothing low-rank on this rank: whole, i.e. no say in the cluster's choice below
+    elif sync.link_budget and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
+        whole = whole_round(sync, result)
+        if whole is not None:  # sent whole, in a round long enough to hide it
+            if whole[0] > h:  # the round and its landing stretch to the whole transfer
+                h, tau = whole
+            rank = 0
+        else:  # the rank (0: whole) the link carries in the steps the round has to hide in
+            rank = sync.codec.link_rank(link_steps(cfg) * result.peer_step_seconds,
+                                        result.peer_seconds_per_byte, result.num_clusters)
+    h, rank, tau = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget)
+    return h, rank, min(tau, h)
+
+
+def whole_round(sync, result) -> Optional[tuple[int, int]]:
+    """Link budget, whole first: (H, τ) at which this rank's whole (quantized) round hides on the measured link
+    (H: its transfer in H / (1 + LINK_MARGIN) steps; τ: as adaptive τ sizes it, at most H), when adaptive H and
+    τ may go there (H at most --dilocox-h-max); else None, and the rank is cut to what the link carries at the H
+    you asked for.
+
+    Why whole first: at about the same bytes per inner step, fewer rounds sent whole beat more rounds at a low
+    rank (main job's GPT, 1000 iterations, loopback: int4 whole at H = 100 +4.9% / +8.4% vs AllReduce on the
+    KJV / docs, against +8.0% / +10.7% for the 106x low rank at H = 10; each cluster alone +6.1% / +12.4%).
+    On the ratio-325 link the rank-cut rounds (rank 9-16 at H = 10, error 0.84) ended level with no
+    communication (+6.6%); whole first ran at H 81-108, +6.4%, faster and with fewer bytes. There the whole
+    transfer fills most of the round, so each round lands at its end, which costs most of the gain
+    (benchmarks/results/convergence/README.md, "Fewer rounds sent whole")."""
+    cfg = sync.cfg
+    if not (cfg.adaptive_h and cfg.overlap_steps == 0):
+        return None  # a fixed τ must hide the transfer in τ steps, however long the round
+    seconds = sync.codec.round_bytes(0, result.num_clusters) * result.peer_seconds_per_byte
+    h = adaptive.steps_to_hide(seconds, result.peer_step_seconds, LINK_MARGIN)
+    if h > cfg.resolved_h_max:
+        return None
+    return h, min(h, adaptive.steps_to_hide(seconds, result.peer_step_seconds, TAU_MARGIN))

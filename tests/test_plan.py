@@ -1,0 +1,92 @@
+"""The next round's plan under the link budget (outer/plan.py): whole first, then the rank.
+
+Exact: every expected H and rank is computed here from the codec's closed-form round bytes and the figures the
+landed round carried (the same inputs every cluster holds), with no timing of this host involved.
+"""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_dilocox.compression.codec import ExchangeResult, PseudoGradientCodec
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.outer import plan
+from megatron_dilocox.outer.cluster import SingleRank
+from megatron_dilocox.outer.link import LINK_MARGIN
+
+# the main job's GPT in miniature: 128 x 128 and 128 x 512 matrices (low-rank), biases and norms (whole)
+SHAPES = [torch.Size(s) for s in ((128, 128), (128, 128), (512, 128), (128, 512), (128,), (512,), (128,))]
+STEP = 0.3  # seconds per inner step, as every cluster's header reports it
+
+
+def planner(h=10, tau=10, **cfg):
+    config = DiLoCoXConfig(num_clusters=2, h=h, lowrank_rank=6, lowrank_min_dim=64, quant_bits=4, **cfg)
+    codec = PseudoGradientCodec(SHAPES, config)
+    return SimpleNamespace(cfg=config, codec=codec, h=h, tau=tau, intra=SingleRank(), link_budget=True)
+
+
+def landed(codec, whole_steps, comm_steps=1.0):
+    """A landed round whose figures say: this rank's whole round would take ``whole_steps`` inner steps on the
+    link; the last transfer took ``comm_steps``."""
+    seconds_per_byte = whole_steps * STEP / codec.round_bytes(0, 2)
+    return ExchangeResult(round=3, deltas=None, status="applied", num_clusters=2, next_rank=codec.rank,
+                          peer_seconds_per_byte=seconds_per_byte, peer_step_seconds=STEP,
+                          peer_comm_seconds=comm_steps * STEP)
+
+
+def largest_rank_within(codec, seconds, seconds_per_byte):
+    cap = codec._rank_cap(2, budget=False)
+    return next(r for r in range(cap, 0, -1) if codec.round_bytes(r, 2) * seconds_per_byte <= seconds)
+
+
+@pytest.mark.parametrize("whole_steps", [43.0, 12.4])
+def test_a_slow_link_gets_longer_rounds_sent_whole(whole_steps):
+    """The whole round needs more than the H asked for (10) but at most --dilocox-h-max: H and τ stretch to
+    ceil(steps x (1 + LINK_MARGIN)), the rank is 0 (whole)."""
+    sync = planner(h_max=100)
+    h, rank, tau = plan.next_round(sync, landed(sync.codec, whole_steps))
+    expected = math.ceil(whole_steps * (1 + LINK_MARGIN))
+    assert expected > 10
+    assert (h, rank, tau) == (expected, 0, expected)
+
+
+def test_beyond_h_max_the_rank_is_cut_to_what_the_link_carries_at_the_h_asked_for():
+    sync = planner(h_max=40)
+    result = landed(sync.codec, 43.0)
+    h, rank, tau = plan.next_round(sync, result)
+    expected = largest_rank_within(sync.codec, 10 / (1 + LINK_MARGIN) * STEP, result.peer_seconds_per_byte)
+    assert 0 < expected < 24 and (h, rank) == (10, expected)
+    assert tau == max(1, math.ceil(1.0 * 2))  # from the last transfer (1 step), as before
+
+
+def test_a_fixed_tau_keeps_the_rank_cut_however_long_rounds_may_be():
+    """--dilocox-overlap-steps 5: the transfer must hide in 5 steps, so a longer round does not help."""
+    sync = planner(h_max=100, overlap_steps=5)
+    result = landed(sync.codec, 43.0)
+    h, rank, tau = plan.next_round(sync, result)
+    expected = largest_rank_within(sync.codec, 5 / (1 + LINK_MARGIN) * STEP, result.peer_seconds_per_byte)
+    assert (h, rank, tau) == (10, expected, 5)
+
+
+def test_a_fast_link_keeps_the_h_asked_for_and_sends_whole():
+    sync = planner()
+    h, rank, tau = plan.next_round(sync, landed(sync.codec, 2.0, comm_steps=2.0))
+    assert (h, rank, tau) == (10, 0, 4)
+
+
+def test_without_adaptive_h_the_rank_is_cut():
+    sync = planner(adaptive_h=False, h_max=100)
+    result = landed(sync.codec, 43.0)
+    h, rank, _ = plan.next_round(sync, result)
+    expected = largest_rank_within(sync.codec, 10 / (1 + LINK_MARGIN) * STEP, result.peer_seconds_per_byte)
+    assert (h, rank) == (10, expected)
+
+
+def test_the_default_h_max_leaves_room_for_whole_rounds_on_the_ratio_325_link():
+    """Measured on that link (WAN benchmark, the main job's GPT at PP2): a whole int4 round took 18.1 s against
+    0.316 s steps, i.e. 57.3 steps, so it hides at H = 115; the default --dilocox-h-max at --dilocox-h 10 must
+    allow that (4 x H, the old default, cut the rank to 24 at H = 40)."""
+    sync = planner()
+    h, rank, _ = plan.next_round(sync, landed(sync.codec, 18.1 / 0.316))
+    assert (h, rank) == (115, 0) and sync.cfg.resolved_h_max == 200
