@@ -232,6 +232,18 @@ def main(extra_args_provider=None, install_hooks=None, args_defaults=None):
     model_config = gpt_config_from_args(args)
     config = pretrain_cfg_container_from_args(args, model_config)
     pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    _leave_together()
+
+
+def _leave_together():
+    """Megatron's ``pretrain()`` returns without tearing down its process groups. Every rank waits here for the
+    others, then destroys them, before the interpreter exits: leaving it to exit-time destructors let one rank
+    of the AllReduce baseline (one gloo world over the shaped link, plain Megatron) die of SIGABRT after
+    training and evaluation had finished, and its torchrun then waited 300 s at the exit barrier."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def dilocox_main():
