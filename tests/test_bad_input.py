@@ -141,6 +141,8 @@ ROWS = [
     row("outer-lr-0", ["--dilocox", "--dilocox-outer-lr", "0"], CFG + "--dilocox-outer-lr: must be a positive finite number, got 0.0"),
     row("outer-lr-negative", ["--dilocox", "--dilocox-outer-lr", "-0.7"],
         CFG + "--dilocox-outer-lr: must be a positive finite number, got -0.7"),
+    row("outer-lr-warmup-negative", ["--dilocox", "--dilocox-outer-lr-warmup", "-1"],
+        CFG + "--dilocox-outer-lr-warmup: must be a whole number of rounds >= 0, got -1"),
     row("outer-lr-inf", ["--dilocox", "--dilocox-outer-lr", "inf"], CFG + "--dilocox-outer-lr: must be a positive finite number, got inf"),
     row("outer-lr-text", ["--dilocox", "--dilocox-outer-lr", "fast"], USAGE + "argument --dilocox-outer-lr: invalid float value: 'fast'"),
     row("outer-momentum-1", ["--dilocox", "--dilocox-outer-momentum", "1"], CFG + "--dilocox-outer-momentum: must be in [0, 1), got 1.0"),

@@ -212,3 +212,33 @@ def test_cluster_agreement_orders_link_budget_ranks_by_bytes():
     assert both((10, 0, 1), (10, 0, 2), by_bytes=True) == (10, 0, 2)  # whole everywhere stays whole
     assert both((10, 20, 1), (12, 24, 3), by_bytes=False) == (12, 24, 3)
     assert both((10, 0, 1), (10, 24, 1), by_bytes=False) == (10, 24, 1)
+
+
+def test_outer_lr_warmup_is_torch_sgd_with_a_linear_lr_ramp_over_rounds():
+    """--dilocox-outer-lr-warmup 3, C = 1, synchronous: round t's outer step is SGD (Nesterov, μ 0.9) on
+    δ_t at lr 0.7 x min(1, t/3): 0.2333, 0.4667, 0.7, 0.7, ... (same bits as torch.optim.SGD)."""
+    model = make_model(0)
+    opt = make_inner(model, "adam", 0.01)
+    cfg = DiLoCoXConfig(h=2, overlap="none", lowrank=False, quant_bits=32, outer_lr=0.7, outer_momentum=0.9,
+                        outer_lr_warmup=3, adaptive_h=False)
+    assert [cfg.outer_lr_at(t) for t in (1, 2, 3, 4, 9)] == [0.7 / 3, 0.7 * 2 / 3, 0.7, 0.7, 0.7]
+    params = [p.data for p in model.parameters()]
+    sync = DiLoCoXSync(params, cfg).start()
+    ref = [torch.nn.Parameter(a.clone()) for a in sync.anchor]
+    sgd = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True, foreach=False)
+    for step in range(10):
+        loss = loss_fn(model, *batch(0, 0, step))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if (step + 1) % 2 == 0:  # a boundary: δ_t = φ − θ is the average at C = 1
+            t = (step + 1) // 2
+            for r, p in zip(ref, params):
+                r.grad = r.detach() - p.float()
+            sgd.param_groups[0]["lr"] = 0.7 * min(1.0, t / 3)
+            sgd.step()
+        sync.after_inner_step()
+        if (step + 1) % 2 == 0:
+            assert all(torch.equal(r.detach(), a) for r, a in zip(ref, sync.anchor)), f"round {t}"
+    assert sync.round == 5
+    sync.close()

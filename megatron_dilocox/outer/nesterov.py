@@ -18,7 +18,9 @@ class OuterNesterov:
         self.buf: Optional[list[torch.Tensor]] = None
 
     @torch.no_grad()
-    def step(self, delta: Sequence[torch.Tensor]):
+    def step(self, delta: Sequence[torch.Tensor], lr: Optional[float] = None):
+        """``lr``: this step's learning rate (an outer-lr warm-up); None: the constructor's."""
+        lr = self.lr if lr is None else lr
         delta = [d.to(a.device, torch.float32) for d, a in zip(delta, self.anchor)]
         if self.momentum == 0:
             update = delta
@@ -30,7 +32,7 @@ class OuterNesterov:
                     b.mul_(self.momentum).add_(d)
             update = [d.add(b, alpha=self.momentum) for d, b in zip(delta, self.buf)] if self.nesterov else self.buf
         for a, u in zip(self.anchor, update):
-            a.add_(u, alpha=-self.lr)
+            a.add_(u, alpha=-lr)
 
     def state_dict(self) -> dict:
         return {"momentum_buffer": None if self.buf is None else [b.clone() for b in self.buf]}
@@ -54,10 +56,10 @@ class LocalCorrection:
         self.opt = OuterNesterov(self.value, config.outer_lr, config.resolved_outer_momentum, config.outer_nesterov)
 
     @torch.no_grad()
-    def step(self, delta: Sequence[torch.Tensor], weight: float):
-        """``weight`` = 1/C for the paper's proxy."""
+    def step(self, delta: Sequence[torch.Tensor], weight: float, lr: Optional[float] = None):
+        """``weight`` = 1/C for the paper's proxy; ``lr``: the round's outer lr (warm-up), None: the config's."""
         delta = [d.to(v.device, torch.float32) for d, v in zip(delta, self.value)]
-        self.opt.step([(d - p) * weight for d, p in zip(delta, self.prev)])
+        self.opt.step([(d - p) * weight for d, p in zip(delta, self.prev)], lr=lr)
         self.prev = [d.clone() for d in delta]
 
     def state_dict(self) -> dict:
