@@ -96,6 +96,17 @@ def test_state_dict_refuses_other_settings():
         other.load_state_dict(sync.state_dict())
 
 
+def test_state_dict_from_before_a_knob_existed_loads_when_the_knob_is_at_its_default():
+    model = make_model(0)
+    sync = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4)).start()
+    old = sync.state_dict()
+    del old["config"]["outer_lr_warmup"]  # a checkpoint written before --dilocox-outer-lr-warmup
+    DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4)).start().load_state_dict(old)
+    warm = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4, outer_lr_warmup=5)).start()
+    with pytest.raises(ValueError, match=r"different settings: \['outer_lr_warmup'\]"):
+        warm.load_state_dict(old)
+
+
 def test_diverged_inner_training_raises_and_leaves_the_global_model():
     model = make_model(0)
     sync = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=2, overlap="none")).start()

@@ -3,17 +3,22 @@
 The state is everything a resumed run needs to continue bitwise: the round counters, H and τ, the link
 measurements, φ and the round start, the outer momentum, the codec (error feedback, Q, rank) and a finished
 round not yet applied. An in-flight round is finished first and saved as its result, so a checkpoint never
-holds a transfer half done. A checkpoint written with different settings is refused, naming the settings.
+holds a transfer half done. A checkpoint written with different settings is refused, naming the settings (a setting the checkpoint
+lacks, added to the package after it was written, counts as its default).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from megatron_dilocox.compression.codec import ExchangeResult
+from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer import plan
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DiLoCoXConfig)}
 
 
 def save(sync) -> dict:
@@ -38,7 +43,9 @@ def save(sync) -> dict:
 @torch.no_grad()
 def load(sync, state: dict):
     mine = sync.cfg.agreement_dict()
-    diff = sorted(k for k in set(mine) | set(state["config"]) if mine.get(k) != state["config"].get(k))
+    # a knob added since the checkpoint was written ran at its default then
+    theirs = {**{k: f.default for k, f in _FIELDS.items() if k in mine}, **state["config"]}
+    diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if diff:
         raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}")
     sync.round, sync.steps_in_round, sync.iteration = state["round"], state["steps_in_round"], state["iteration"]
