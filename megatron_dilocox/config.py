@@ -80,8 +80,9 @@ class DiLoCoXConfig:
 
     # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
     outer_lr: float = knob(0.7, "outer learning rate")
-    outer_lr_warmup: int = knob(0, "rounds over which the outer lr rises linearly to --dilocox-outer-lr "
-                                   "(round t uses lr x min(1, t / N)); 0: none")
+    outer_lr_warmup_iters: int = knob(0, "inner iterations over which the outer lr rises linearly to "
+                                         "--dilocox-outer-lr (a round launched at iteration i steps at "
+                                         "lr x min(1, i / N)); 0: none")
     outer_momentum: Optional[float] = knob(None, "outer momentum (default 0.3, every overlap mode and H; "
                                                  "README: convergence)")
     outer_nesterov: bool = knob(True, "Nesterov momentum for the outer step")
@@ -133,12 +134,14 @@ class DiLoCoXConfig:
     def resolved_h_max(self) -> int:
         return max(H_MAX_FACTOR * self.h, self.resolved_h_min) if self.h_max is None else self.h_max
 
-    def outer_lr_at(self, round_idx: int) -> float:
-        """The outer lr of round ``round_idx`` (1-based): a linear warm-up over --dilocox-outer-lr-warmup rounds
-        (the first outer steps, from a barely trained model, are the ones a large outer step can throw off)."""
-        if self.outer_lr_warmup <= 0:
+    def outer_lr_at(self, iteration: int) -> float:
+        """The outer lr of a round launched at inner iteration ``iteration``: a linear warm-up over
+        --dilocox-outer-lr-warmup-iters (counted in iterations, not rounds, so that it covers the same
+        stretch of training at every H: the early outer steps, while the loss falls fast, are the ones a
+        large outer step throws off)."""
+        if self.outer_lr_warmup_iters <= 0:
             return self.outer_lr
-        return self.outer_lr * min(1.0, max(round_idx, 1) / self.outer_lr_warmup)
+        return self.outer_lr * min(1.0, max(iteration, 1) / self.outer_lr_warmup_iters)
 
     @property
     def resolved_outer_momentum(self) -> float:
@@ -225,8 +228,8 @@ class DiLoCoXConfig:
             fail("delay_local_weight", f"must be in [0, 1], got {self.delay_local_weight!r}")
         if not (isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr) and self.outer_lr > 0):
             fail("outer_lr", f"must be a positive finite number, got {self.outer_lr!r}")
-        if not (isinstance(self.outer_lr_warmup, int) and self.outer_lr_warmup >= 0):
-            fail("outer_lr_warmup", f"must be a whole number of rounds >= 0, got {self.outer_lr_warmup!r}")
+        if not (isinstance(self.outer_lr_warmup_iters, int) and self.outer_lr_warmup_iters >= 0):
+            fail("outer_lr_warmup_iters", f"must be a whole number of iterations >= 0, got {self.outer_lr_warmup_iters!r}")
         if not (0.0 <= self.resolved_outer_momentum < 1.0):
             fail("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
         if self.outer_state_device not in OUTER_STATE_DEVICES:

@@ -100,10 +100,10 @@ def test_state_dict_from_before_a_knob_existed_loads_when_the_knob_is_at_its_def
     model = make_model(0)
     sync = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4)).start()
     old = sync.state_dict()
-    del old["config"]["outer_lr_warmup"]  # a checkpoint written before --dilocox-outer-lr-warmup
+    del old["config"]["outer_lr_warmup_iters"]  # a checkpoint written before --dilocox-outer-lr-warmup-iters
     DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4)).start().load_state_dict(old)
-    warm = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4, outer_lr_warmup=5)).start()
-    with pytest.raises(ValueError, match=r"different settings: \['outer_lr_warmup'\]"):
+    warm = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4, outer_lr_warmup_iters=5)).start()
+    with pytest.raises(ValueError, match=r"different settings: \['outer_lr_warmup_iters'\]"):
         warm.load_state_dict(old)
 
 
@@ -225,14 +225,15 @@ def test_cluster_agreement_orders_link_budget_ranks_by_bytes():
     assert both((10, 0, 1), (10, 24, 1), by_bytes=False) == (10, 24, 1)
 
 
-def test_outer_lr_warmup_is_torch_sgd_with_a_linear_lr_ramp_over_rounds():
-    """--dilocox-outer-lr-warmup 3, C = 1, synchronous: round t's outer step is SGD (Nesterov, μ 0.9) on
-    δ_t at lr 0.7 x min(1, t/3): 0.2333, 0.4667, 0.7, 0.7, ... (same bits as torch.optim.SGD)."""
+def test_outer_lr_warmup_is_torch_sgd_with_a_linear_lr_ramp_over_iterations():
+    """--dilocox-outer-lr-warmup-iters 6, H = 2, C = 1, synchronous: round t (launched at iteration 2t) steps
+    SGD (Nesterov, μ 0.9) on δ_t at lr 0.7 x min(1, 2t/6): 0.2333, 0.4667, 0.7, 0.7, ... (same bits as
+    torch.optim.SGD)."""
     model = make_model(0)
     opt = make_inner(model, "adam", 0.01)
     cfg = DiLoCoXConfig(h=2, overlap="none", lowrank=False, quant_bits=32, outer_lr=0.7, outer_momentum=0.9,
-                        outer_lr_warmup=3, adaptive_h=False)
-    assert [cfg.outer_lr_at(t) for t in (1, 2, 3, 4, 9)] == [0.7 / 3, 0.7 * 2 / 3, 0.7, 0.7, 0.7]
+                        outer_lr_warmup_iters=6, adaptive_h=False)
+    assert [cfg.outer_lr_at(i) for i in (2, 4, 6, 8, 18)] == [0.7 * 2 / 6, 0.7 * 4 / 6, 0.7, 0.7, 0.7]
     params = [p.data for p in model.parameters()]
     sync = DiLoCoXSync(params, cfg).start()
     ref = [torch.nn.Parameter(a.clone()) for a in sync.anchor]
@@ -246,7 +247,7 @@ def test_outer_lr_warmup_is_torch_sgd_with_a_linear_lr_ramp_over_rounds():
             t = (step + 1) // 2
             for r, p in zip(ref, params):
                 r.grad = r.detach() - p.float()
-            sgd.param_groups[0]["lr"] = 0.7 * min(1.0, t / 3)
+            sgd.param_groups[0]["lr"] = 0.7 * min(1.0, 2 * t / 6)
             sgd.step()
         sync.after_inner_step()
         if (step + 1) % 2 == 0:

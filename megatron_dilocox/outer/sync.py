@@ -229,7 +229,7 @@ class DiLoCoXSync:
         if self.eager:
             if self.correction is None:
                 self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
-            self.correction.step(delta, self.local_weight, lr=self.cfg.outer_lr_at(self.round))
+            self.correction.step(delta, self.local_weight, lr=self.cfg.outer_lr_at(self.iteration))
             return [a.to(d.device) + c.to(d.device) for a, c, d in zip(self.anchor, self.correction.value, delta)]
         # θ ← φ − w δ_t in one pass (w = 1: 1.0 * δ is exact, so bitwise φ − δ_t)
         return [torch.sub(a.to(d.device), d, alpha=self.local_weight) for a, d in zip(self.anchor, delta)]
@@ -335,7 +335,7 @@ class DiLoCoXSync:
             raise DivergedError(f"DiLoCoX round {result.round}: this cluster's pseudo-gradient has NaN/Inf "
                                 f"(inner training diverged); the global model was not changed")
         if result.deltas is not None:
-            self.outer.step(result.deltas, lr=self.cfg.outer_lr_at(result.round))  # φ ← Outer(φ, Δ)
+            self.outer.step(result.deltas, lr=self.cfg.outer_lr_at(result.launched_at))  # φ ← Outer(φ, Δ)
         else:
             log.warning("DiLoCoX round %d %s; the global model was not changed", result.round, result.status)
         h_used, rank_used = self.h, result.rank
