@@ -127,7 +127,7 @@ def test_without_dilocox_flags_the_entry_is_plain_megatron(corpus, tmp_path):
     assert_ok(codes, plain)
     assert not any("[dilocox]" in line for line in plain[0].lines)
     codes, reduced = launch(1, 2, flags, ["--dilocox-h", "2", "--dilocox-no-lowrank", "--dilocox-quant-bits", "32",
-                                          "--dilocox-outer-lr", "1", "--dilocox-outer-momentum", "0",
+                                          "--dilocox-outer-lr", "1", "--dilocox-outer-momentum", "0", "--dilocox-outer-lr-warmup-iters", "0",
                                           "--dilocox-overlap", "none", "--dilocox-no-adaptive-h"])
     assert_ok(codes, reduced)
     assert any("DiLoCoX on: cluster 0 of 1" in line for line in reduced[0].lines)

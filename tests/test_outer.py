@@ -66,6 +66,7 @@ def test_single_cluster_reproduces_plain_training(overlap, tau):
     """C = 1, outer lr 1, no momentum: every round (landing at H or τ < H steps in) gives back θ."""
     plain_losses, plain_params, _, _ = train(24)
     cfg = dict(h=4, overlap=overlap, lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0,
+               outer_lr_warmup_iters=0,
                adaptive_h=False, overlap_steps=tau)
     losses, params, _, sync = train(24, cfg)
     assert sync.round == 6
