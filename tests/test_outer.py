@@ -283,3 +283,16 @@ def test_a_late_round_steps_at_a_lower_outer_lr(tau, lateness):
         if step + 1 in landing:
             assert all(torch.equal(a, w) for a, w in zip(sync.anchor, want)), f"step {step + 1}"
     sync.close()
+
+
+def test_eager_stand_in_under_a_changing_outer_lr_is_the_optimizer_run_at_the_current_lr():
+    """c_t must equal the outer optimizer run from zero on w (δ_k − δ_{k−1}), k ≤ t, at today's lr (the
+    telescoping that makes θ = φ + c the eager proxy). With μ = 0 that is −lr_t w δ_t, whatever the lrs were."""
+    from megatron_dilocox.outer.nesterov import LocalCorrection
+    cfg = DiLoCoXConfig(outer_lr=1.0, outer_momentum=0.0)
+    corr = LocalCorrection([(3, 2)], cfg, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for lr in (0.25, 0.5, 1.0, 1.0, 0.7):
+        d = torch.randn(3, 2, generator=g)
+        corr.step([d], 0.75, lr=lr)
+        assert torch.allclose(corr.value[0], -lr * 0.75 * d, atol=1e-6), lr

@@ -54,20 +54,31 @@ class LocalCorrection:
         self.value = [torch.zeros(s, dtype=torch.float32, device=device) for s in shapes]
         self.prev = [torch.zeros_like(v) for v in self.value]  # δ_{t−1} (zero before the first round)
         self.opt = OuterNesterov(self.value, config.outer_lr, config.resolved_outer_momentum, config.outer_nesterov)
+        self.last_lr: Optional[float] = None
 
     @torch.no_grad()
     def step(self, delta: Sequence[torch.Tensor], weight: float, lr: Optional[float] = None):
-        """``weight`` = 1/C for the paper's proxy; ``lr``: the round's outer lr (warm-up), None: the config's."""
+        """``weight`` = 1/C for the paper's proxy; ``lr``: the round's outer lr (warm-up, lateness), None: the
+        config's. The telescoping needs one lr for every past step: c is a sum of −lr u_k (u_k lr-free), so
+        when lr changes c is rescaled to lr_t / lr_{t−1} first, as if the optimizer had always run at lr_t.
+        (Stepping on at the new lr without that left c with Σ (lr_{k+1} − lr_k) w δ_k for good: during a
+        warm-up, a pull back along the first rounds' progress at every later round start.)"""
+        lr = self.opt.lr if lr is None else lr
+        if self.last_lr is not None and lr != self.last_lr:
+            for v in self.value:
+                v.mul_(lr / self.last_lr)
+        self.last_lr = lr
         delta = [d.to(v.device, torch.float32) for d, v in zip(delta, self.value)]
         self.opt.step([(d - p) * weight for d, p in zip(delta, self.prev)], lr=lr)
         self.prev = [d.clone() for d in delta]
 
     def state_dict(self) -> dict:
         return {"value": [v.clone() for v in self.value], "prev": [p.clone() for p in self.prev],
-                "opt": self.opt.state_dict()}
+                "opt": self.opt.state_dict(), "last_lr": self.last_lr}
 
     def load_state_dict(self, state: dict):
         for v, s in zip(self.value, state["value"]):
             v.copy_(s)
         self.prev = [p.to(v.device, torch.float32).clone() for p, v in zip(state["prev"], self.value)]
         self.opt.load_state_dict(state["opt"])
+        self.last_lr = state.get("last_lr", self.opt.lr)  # (from before the lr could change: it was the config's)
