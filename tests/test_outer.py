@@ -30,6 +30,15 @@ def test_outer_step_equals_torch_sgd_with_delta_as_gradient(nesterov):
             assert torch.equal(p.detach(), a)
 
 
+def inner_step(model, opt, step):
+    """One inner step of the test network on cluster 0's data."""
+    loss = loss_fn(model, *batch(0, 0, step))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def train(steps, dilocox=None, inner="adam", save_at=None, load=None):
     """Train the test network on cluster 0's data; optionally with DiLoCoX (C=1)."""
     model = make_model(0)
@@ -45,10 +54,7 @@ def train(steps, dilocox=None, inner="adam", save_at=None, load=None):
         first = load["step"]
     losses, saved = [], None
     for step in range(first, steps):
-        loss = loss_fn(model, *batch(0, 0, step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = inner_step(model, opt, step)
         if sync is not None:
             sync.after_inner_step()
         losses.append(float(loss.detach()))
@@ -129,10 +135,7 @@ def test_round_lands_tau_steps_into_the_next_round_with_the_local_progress_kept(
     params = [p.data for p in model.parameters()]
     sync = DiLoCoXSync(params, cfg).start()
     for step in range(14):
-        loss = loss_fn(model, *batch(0, 0, step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        inner_step(model, opt, step)
         if step + 1 in (6, 10):  # the landing steps: predict θ from the state just before
             before = [p.clone() for p in params]
             start = [s.clone() for s in sync.round_start]
@@ -240,10 +243,7 @@ def test_outer_lr_warmup_is_torch_sgd_with_a_linear_lr_ramp_over_iterations():
     ref = [torch.nn.Parameter(a.clone()) for a in sync.anchor]
     sgd = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True, foreach=False)
     for step in range(10):
-        loss = loss_fn(model, *batch(0, 0, step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        inner_step(model, opt, step)
         if (step + 1) % 2 == 0:  # a boundary: δ_t = φ − θ is the average at C = 1
             t = (step + 1) // 2
             for r, p in zip(ref, params):
@@ -272,10 +272,7 @@ def test_a_late_round_steps_at_a_lower_outer_lr(tau, lateness):
     params = [p.data for p in model.parameters()]
     sync = DiLoCoXSync(params, cfg).start()
     for step in range(12):
-        loss = loss_fn(model, *batch(0, 0, step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        inner_step(model, opt, step)
         if step + 1 in landing:
             sync._in_flight.result()
             want = [a.add(d.float(), alpha=-lr) for a, d in zip(sync.anchor, sync._launched_delta)]
