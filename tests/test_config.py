@@ -32,8 +32,6 @@ INVALID = [
     (dict(min_compression=0.5), "--dilocox-min-compression: must be a number >= 1"),
     (dict(error_decay=1.5), "--dilocox-error-decay: must be in [0, 1], got 1.5"),
     (dict(outer_lr_warmup_iters=-2), "--dilocox-outer-lr-warmup-iters: must be a whole number of iterations >= 0, got -2"),
-    (dict(outer_lr_late_factor=0), "--dilocox-outer-lr-late-factor: must be in (0, 1], got 0"),
-    (dict(outer_lr_late_factor=1.5), "--dilocox-outer-lr-late-factor: must be in (0, 1], got 1.5"),
     (dict(outer_lr=0), "--dilocox-outer-lr: must be a positive finite number, got 0"),
     (dict(outer_lr=float("nan")), "--dilocox-outer-lr: must be a positive finite number, got nan"),
     (dict(outer_momentum=1.0), "--dilocox-outer-momentum: must be in [0, 1), got 1.0"),

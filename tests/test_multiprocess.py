@@ -130,7 +130,7 @@ def test_delayed_overlap_variants_match_single_process_reference_round_by_round(
     by its fresh one)."""
     C, H, steps, lr_out, mom = 2, 3, 12, 0.7, 0.9
     res = run(C, steps=steps, inner="adam", inner_lr=0.01, finalize=False,
-              dilocox=spec(C, h=H, lowrank=False, quant_bits=32, outer_lr=lr_out, outer_momentum=mom, outer_lr_warmup_iters=0, outer_lr_late_factor=1.0,
+              dilocox=spec(C, h=H, lowrank=False, quant_bits=32, outer_lr=lr_out, outer_momentum=mom, outer_lr_warmup_iters=0,
                            overlap=overlap, delay_local_weight=alpha))
     assert_no_errors(res)
     corr = [[torch.zeros_like(p) for p in make_model(0).parameters()] for _ in range(C)]

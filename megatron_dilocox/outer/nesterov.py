@@ -58,7 +58,7 @@ class LocalCorrection:
 
     @torch.no_grad()
     def step(self, delta: Sequence[torch.Tensor], weight: float, lr: Optional[float] = None):
-        """``weight`` = 1/C for the paper's proxy; ``lr``: the round's outer lr (warm-up, lateness), None: the
+        """``weight`` = 1/C for the paper's proxy; ``lr``: the round's outer lr (warm-up), None: the
         config's. The telescoping needs one lr for every past step: c is a sum of −lr u_k (u_k lr-free), so
         when lr changes c is rescaled to lr_t / lr_{t−1} first, as if the optimizer had always run at lr_t.
         (Stepping on at the new lr without that left c with Σ (lr_{k+1} − lr_k) w δ_k for good: during a

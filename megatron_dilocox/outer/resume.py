@@ -3,8 +3,8 @@
 The state is everything a resumed run needs to continue bitwise: the round counters, H and τ, the link
 measurements, φ and the round start, the outer momentum, the codec (error feedback, Q, rank) and a finished
 round not yet applied. An in-flight round is finished first and saved as its result, so a checkpoint never
-holds a transfer half done. A checkpoint written with different settings is refused, naming the settings (a setting the checkpoint
-lacks, added to the package after it was written, counts as its default).
+holds a transfer half done. A checkpoint written with different settings is refused, naming the settings (a
+setting the checkpoint lacks, added to the package after it was written, counts as its default).
 """
 from __future__ import annotations
 

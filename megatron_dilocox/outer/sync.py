@@ -140,7 +140,7 @@ class DiLoCoXSync:
         if self.delayed:
             self._done = result  # applied at this cluster's next boundary, as the members do
         else:
-            self._apply(result, exposed=0.0, lateness=0.0)
+            self._apply(result, exposed=0.0)
             self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])
         self._last_hook = time.perf_counter()
         log.warning("DiLoCoX cluster %d rejoined at round %d, iteration %d (H=%d, rank %d)", self.cfg.cluster_id,
@@ -174,7 +174,7 @@ class DiLoCoXSync:
         if not self.delayed:
             t0 = time.perf_counter()
             result = self._exchange(delta, self.round, self.iteration)
-            self._apply(result, exposed=time.perf_counter() - t0, lateness=0.0)
+            self._apply(result, exposed=time.perf_counter() - t0)
             if self.stopped:
                 self.round -= 1  # dropped: θ keeps δ_t, the next δ (measured from φ) carries it
                 return
@@ -183,7 +183,7 @@ class DiLoCoXSync:
             if self._in_flight is not None or self._done is not None:
                 t0 = time.perf_counter()
                 result = self.wait()
-                self._apply(result, exposed=time.perf_counter() - t0, lateness=1.0)  # a whole round late
+                self._apply(result, exposed=time.perf_counter() - t0)
                 if self.stopped:  # round t−1 dropped everywhere: keep its δ as error feedback, launch nothing
                     self._keep_dropped_delta()
                     self.round -= 2
@@ -201,7 +201,7 @@ class DiLoCoXSync:
         from the stand-in on top of the real φ (θ ← φ + θ − θ_s; θ_s ← φ)."""
         t0 = time.perf_counter()
         result = self.wait()
-        self._apply(result, exposed=time.perf_counter() - t0, lateness=self.steps_in_round / self.h)
+        self._apply(result, exposed=time.perf_counter() - t0)
         if self.stopped:  # dropped everywhere: its δ stays as error feedback, θ goes on from the stand-in
             self._keep_dropped_delta()
             self.round -= 1
@@ -229,8 +229,7 @@ class DiLoCoXSync:
         if self.eager:
             if self.correction is None:
                 self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
-            self.correction.step(delta, self.local_weight,  # the stand-in for a round planned to land τ in
-                                 lr=self.cfg.outer_lr_at(self.iteration, self.tau / self.h))
+            self.correction.step(delta, self.local_weight, lr=self.cfg.outer_lr_at(self.iteration))
             return [a.to(d.device) + c.to(d.device) for a, c, d in zip(self.anchor, self.correction.value, delta)]
         # θ ← φ − w δ_t in one pass (w = 1: 1.0 * δ is exact, so bitwise φ − δ_t)
         return [torch.sub(a.to(d.device), d, alpha=self.local_weight) for a, d in zip(self.anchor, delta)]
@@ -249,7 +248,7 @@ class DiLoCoXSync:
         if not self.stopped and (self._in_flight is not None or self._done is not None):
             t0 = time.perf_counter()
             result = self.wait()
-            self._apply(result, exposed=time.perf_counter() - t0, adapt=False, lateness=self.steps_in_round / self.h)
+            self._apply(result, exposed=time.perf_counter() - t0, adapt=False)
             if self.stopped:
                 return
             self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])
@@ -315,9 +314,9 @@ class DiLoCoXSync:
             handover.send(self, result, iteration)
         return result
 
-    def _apply(self, result: ExchangeResult, exposed: float, lateness: float, adapt: bool = True):
-        """φ ← Outer(φ, Δ) at the outer lr for the round's start iteration and ``lateness`` (τ/H: the share
-        of a round trained on the stand-in before Δ landed; config.outer_lr_at), then the next round's plan."""
+    def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
+        """φ ← Outer(φ, Δ) at the outer lr of the round's start iteration (config.outer_lr_at), then the next
+        round's plan."""
         # the transfer alone: waiting for a peer that reached the boundary later is not link time (counting
         # it let a compute offset between clusters inflate H for good); smoothed, so that one slow transfer
         # (a busy host) does not swing H alone
@@ -338,7 +337,7 @@ class DiLoCoXSync:
             raise DivergedError(f"DiLoCoX round {result.round}: this cluster's pseudo-gradient has NaN/Inf "
                                 f"(inner training diverged); the global model was not changed")
         if result.deltas is not None:
-            self.outer.step(result.deltas, lr=self.cfg.outer_lr_at(result.launched_at, lateness))  # φ ← Outer(φ, Δ)
+            self.outer.step(result.deltas, lr=self.cfg.outer_lr_at(result.launched_at))  # φ ← Outer(φ, Δ)
         else:
             log.warning("DiLoCoX round %d %s; the global model was not changed", result.round, result.status)
         h_used, rank_used = self.h, result.rank
