@@ -2,7 +2,7 @@
 
     cfg = DiLoCoXConfig(num_clusters=2, cluster_id=k, rendezvous="host:29400", h=50)   # $DILOCOX_SECRET
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with DiLoCoX(model, inner, cfg) as dl:          # joins the clusters; θ ← the global model φ
+    with DiLoCoX(model, inner, cfg, train_iters=len(data)) as dl:  # joins; θ ← the global model φ
         for x, y in data:
             loss_fn(model(x), y).backward()
             inner.step()                            # inner step; every H steps the DiLoCoX round runs
@@ -43,7 +43,7 @@ class DiLoCoX:
 
     def __init__(self, model: Union[torch.nn.Module, Iterable[torch.Tensor]], inner: torch.optim.Optimizer,
                  config: DiLoCoXConfig, group: Optional[Collective] = None, intra: Optional[IntraCluster] = None,
-                 host_store: Optional[bool] = None):
+                 host_store: Optional[bool] = None, train_iters: Optional[int] = None):
         self.config = config.validate()
         self.inner = inner
         self.params = _params(model)
@@ -53,6 +53,7 @@ class DiLoCoX:
             raise ValueError(f"DiLoCoX: parameters {missing[:5]} are not stepped by the inner optimizer; pass the "
                              f"parameters the optimizer owns (or a model whose trainable parameters it owns)")
         self._group, self._intra, self._host_store = group, intra, host_store
+        self.train_iters = train_iters  # inner steps in the run, if known: the default outer-lr warm-up is a fifth
         self.sync: Optional[DiLoCoXSync] = None
         self._hook = None
 
@@ -70,7 +71,8 @@ class DiLoCoX:
             group = InterClusterGroup(self.config, local_rank, connect_store(self.config, host),
                                       fingerprint={"shapes": [list(p.shape) for p in self.params]}, local_world=world)
         metrics = MetricsWriter(self.config.metrics_file if intra.is_writer else None)
-        self.sync = DiLoCoXSync([p.data for p in self.params], self.config, group, intra, metrics).start()
+        self.sync = DiLoCoXSync([p.data for p in self.params], self.config, group, intra, metrics,
+                                train_iters=self.train_iters).start()
         self._hook = self.inner.register_step_post_hook(lambda *_: self.sync.after_inner_step())
         return self
 

@@ -23,6 +23,9 @@ SECRET_ENV = "DILOCOX_SECRET"
 # to send them whole rather than cut the rank (outer/plan.py). On the ratio-325 link the main job's whole int4
 # round took 18.1 s of 0.316 s steps, so at --dilocox-h 10 it hides at H = 115 (4x left it at 40, with rank 24)
 H_MAX_FACTOR = 20
+# default --dilocox-outer-lr-warmup-iters: a fifth of the run, at most this many iterations (README: convergence)
+OUTER_LR_WARMUP_CAP = 200
+OUTER_LR_WARMUP_FRACTION = 0.2
 
 
 class DiLoCoXConfigError(ValueError):
@@ -79,11 +82,12 @@ class DiLoCoXConfig:
                                                      "(default (1 + 1/C)/2; the paper's proxy is 1/C)")
 
     # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
-    outer_lr: float = knob(0.7, "outer learning rate (reached after --dilocox-outer-lr-warmup-iters; 1.0 with a "
-                                "200-iteration warm-up measured better over 1000 iterations, README: convergence)")
-    outer_lr_warmup_iters: int = knob(0, "inner iterations over which the outer lr rises linearly to "
-                                         "--dilocox-outer-lr (a round launched at iteration i steps at "
-                                         "lr x min(1, i / N)); 0: none (README: convergence)")
+    outer_lr: float = knob(1.0, "outer learning rate, reached after --dilocox-outer-lr-warmup-iters (README: "
+                                "convergence)")
+    outer_lr_warmup_iters: Optional[int] = knob(None, "inner iterations over which the outer lr rises linearly to "
+                                                      "--dilocox-outer-lr (a round launched at iteration i steps at "
+                                                      "lr x min(1, i / N)); default: a fifth of --train-iters, at "
+                                                      "most 200 (200 when the run length is unknown); 0: none")
     outer_momentum: Optional[float] = knob(None, "outer momentum (default 0.3, every overlap mode and H; "
                                                  "README: convergence)")
     outer_nesterov: bool = knob(True, "Nesterov momentum for the outer step")
@@ -135,17 +139,28 @@ class DiLoCoXConfig:
     def resolved_h_max(self) -> int:
         return max(H_MAX_FACTOR * self.h, self.resolved_h_min) if self.h_max is None else self.h_max
 
-    def outer_lr_at(self, iteration: int) -> float:
-        """The outer lr of a round launched at inner iteration ``iteration``: a linear warm-up over
-        --dilocox-outer-lr-warmup-iters (counted in iterations, not rounds, so that it covers the same
-        stretch of training at every H: the early outer steps, while the loss falls fast, are the ones a
-        large outer step throws off). Outer lr 1.0 without it made the Python docs worse than training alone
-        at H=10 (+15.1% vs AllReduce over 1000 iterations); with 200 iterations of warm-up the same run ended
-        at -0.11%, and every H from 1 to 200 ended better than at lr 0.7 on both corpora (README: convergence).
-        (A lower lr for rounds that land late, lr x (1 − 0.3 τ/H), measured worse at τ = H and was not kept.)"""
-        if self.outer_lr_warmup_iters <= 0:
+    def resolved_outer_lr_warmup_iters(self, train_iters: Optional[int] = None) -> int:
+        """--dilocox-outer-lr-warmup-iters, or by default a fifth of the run (``train_iters``), at most 200.
+        The early outer steps, while the loss falls fast, are the ones a large outer step throws off: outer lr
+        1.0 from the start made the Python docs worse than training alone at H=10 (+15.1% vs AllReduce over
+        1000 iterations), and with 200 iterations of warm-up every H from 1 to 200 ended better than at lr
+        0.7 on both corpora. A fixed 200 would leave a short run (a test, a 60-iteration benchmark) with the
+        global model nearly still, hence the fifth. Counted in iterations, not rounds, so that it covers the
+        same stretch of training at every H (README: convergence)."""
+        if self.outer_lr_warmup_iters is not None:
+            return self.outer_lr_warmup_iters
+        if not train_iters:
+            return OUTER_LR_WARMUP_CAP
+        return min(OUTER_LR_WARMUP_CAP, int(OUTER_LR_WARMUP_FRACTION * train_iters))
+
+    def outer_lr_at(self, iteration: int, train_iters: Optional[int] = None) -> float:
+        """The outer lr of a round launched at inner iteration ``iteration`` of a run of ``train_iters``
+        (None: unknown): a linear warm-up over resolved_outer_lr_warmup_iters. (A lower lr for rounds that
+        land late, lr x (1 − 0.3 τ/H), measured worse at τ = H and was not kept.)"""
+        warmup = self.resolved_outer_lr_warmup_iters(train_iters)
+        if warmup <= 0:
             return self.outer_lr
-        return self.outer_lr * min(1.0, max(iteration, 1) / self.outer_lr_warmup_iters)
+        return self.outer_lr * min(1.0, max(iteration, 1) / warmup)
 
     @property
     def resolved_outer_momentum(self) -> float:
@@ -232,7 +247,8 @@ class DiLoCoXConfig:
             fail("delay_local_weight", f"must be in [0, 1], got {self.delay_local_weight!r}")
         if not (isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr) and self.outer_lr > 0):
             fail("outer_lr", f"must be a positive finite number, got {self.outer_lr!r}")
-        if not (isinstance(self.outer_lr_warmup_iters, int) and self.outer_lr_warmup_iters >= 0):
+        if self.outer_lr_warmup_iters is not None and not (
+                isinstance(self.outer_lr_warmup_iters, int) and self.outer_lr_warmup_iters >= 0):
             fail("outer_lr_warmup_iters", f"must be a whole number of iterations >= 0, got {self.outer_lr_warmup_iters!r}")
         if not (0.0 <= self.resolved_outer_momentum < 1.0):
             fail("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")

@@ -257,6 +257,35 @@ def test_outer_lr_warmup_is_torch_sgd_with_a_linear_lr_ramp_over_iterations():
     sync.close()
 
 
+def test_default_outer_lr_warmup_is_a_fifth_of_the_run_at_most_200_iterations():
+    """The default warm-up follows the run: a fifth of train_iters, at most 200 (200 when unknown); an explicit
+    value, 0 included, wins. The sync steps at the lr of the run length it was given."""
+    cfg = DiLoCoXConfig()
+    assert cfg.outer_lr == 1.0 and cfg.outer_lr_warmup_iters is None
+    assert [cfg.resolved_outer_lr_warmup_iters(n) for n in (None, 16, 60, 200, 999, 1000, 5000)] == \
+        [200, 3, 12, 40, 199, 200, 200]
+    assert [cfg.outer_lr_at(i, 60) for i in (0, 6, 12, 13)] == [1 / 12, 0.5, 1.0, 1.0]
+    assert cfg.outer_lr_at(100, None) == 0.5 and cfg.outer_lr_at(100, 60) == 1.0
+    assert DiLoCoXConfig(outer_lr_warmup_iters=0).outer_lr_at(1, 60) == 1.0
+    assert DiLoCoXConfig(outer_lr_warmup_iters=30).resolved_outer_lr_warmup_iters(60) == 30
+
+    def anchors_after(train_iters, warmup=None):  # 3 synchronous rounds of H = 2, μ 0, C = 1: φ_t = φ_{t−1} − lr_t δ_t
+        model = make_model(0)
+        opt = make_inner(model, "adam", 0.01)
+        sync = DiLoCoXSync([p.data for p in model.parameters()],
+                           DiLoCoXConfig(h=2, overlap="none", lowrank=False, quant_bits=32, outer_momentum=0.0,
+                                         adaptive_h=False, outer_lr_warmup_iters=warmup), train_iters=train_iters).start()
+        for step in range(6):
+            inner_step(model, opt, step)
+            sync.after_inner_step()
+        sync.close()
+        return [a.clone() for a in sync.anchor]
+
+    # train_iters 20: warm-up 4, lrs 0.5, 1, 1 at iterations 2, 4, 6; the same as the explicit 4
+    assert all(torch.equal(a, b) for a, b in zip(anchors_after(20), anchors_after(None, warmup=4)))
+    assert not all(torch.equal(a, b) for a, b in zip(anchors_after(20), anchors_after(None)))
+
+
 def test_eager_stand_in_under_a_changing_outer_lr_is_the_optimizer_run_at_the_current_lr():
     """c_t must equal the outer optimizer run from zero on w (δ_k − δ_{k−1}), k ≤ t, at today's lr (the
     telescoping that makes θ = φ + c the eager proxy). With μ = 0 that is −lr_t w δ_t, whatever the lrs were."""

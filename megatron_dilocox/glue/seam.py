@@ -93,7 +93,10 @@ class DiLoCoXOptimizer:
         if group is None or not group.joining:  # a rejoining cluster takes the members' state instead
             checkpoints.agree_on_resume_iteration(cfg, args, group, intra)  # before Megatron loads
         metrics = MetricsWriter(cfg.metrics_file if intra.is_writer else None)
-        self.sync = DiLoCoXSync(views, cfg, group, intra, metrics)
+        # sample-based runs (--train-samples) get args.train_iters only after the optimizer is built
+        run_iters = self.train_iters or (args.train_samples // args.global_batch_size
+                                         if getattr(args, "train_samples", None) else None)
+        self.sync = DiLoCoXSync(views, cfg, group, intra, metrics, train_iters=run_iters)
         with torch.no_grad():
             self.sync.start()  # every cluster starts from cluster 0's model
             self._refresh_model_params()

@@ -63,8 +63,9 @@ class DivergedError(FloatingPointError):
 class DiLoCoXSync:
     def __init__(self, params: Sequence[torch.Tensor], config: DiLoCoXConfig,
                  group: Optional[Collective] = None, intra: Optional[IntraCluster] = None,
-                 metrics: Optional[MetricsWriter] = None):
+                 metrics: Optional[MetricsWriter] = None, train_iters: Optional[int] = None):
         self.cfg = config.validate()
+        self.train_iters = train_iters  # the run's length, if known: sets the default outer-lr warm-up
         self.params = list(params)
         self.group = group or SoloCollective()
         self.intra = intra or SingleRank()
@@ -229,7 +230,7 @@ class DiLoCoXSync:
         if self.eager:
             if self.correction is None:
                 self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
-            self.correction.step(delta, self.local_weight, lr=self.cfg.outer_lr_at(self.iteration))
+            self.correction.step(delta, self.local_weight, lr=self.cfg.outer_lr_at(self.iteration, self.train_iters))
             return [a.to(d.device) + c.to(d.device) for a, c, d in zip(self.anchor, self.correction.value, delta)]
         # θ ← φ − w δ_t in one pass (w = 1: 1.0 * δ is exact, so bitwise φ − δ_t)
         return [torch.sub(a.to(d.device), d, alpha=self.local_weight) for a, d in zip(self.anchor, delta)]
@@ -337,7 +338,7 @@ class DiLoCoXSync:
             raise DivergedError(f"DiLoCoX round {result.round}: this cluster's pseudo-gradient has NaN/Inf "
                                 f"(inner training diverged); the global model was not changed")
         if result.deltas is not None:
-            self.outer.step(result.deltas, lr=self.cfg.outer_lr_at(result.launched_at))  # φ ← Outer(φ, Δ)
+            self.outer.step(result.deltas, lr=self.cfg.outer_lr_at(result.launched_at, self.train_iters))  # φ ← Outer(φ, Δ)
         else:
             log.warning("DiLoCoX round %d %s; the global model was not changed", result.round, result.status)
         h_used, rank_used = self.h, result.rank

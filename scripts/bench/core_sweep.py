@@ -127,7 +127,7 @@ def train(cluster, _local_rank, a, variant):
         return {"curve": curve, "seconds": time.time() - t0, "rows": []}
     cfg = DiLoCoXConfig(num_clusters=a["clusters"], cluster_id=cluster, rendezvous=a["rendezvous"],
                         secret=a["secret"], seed=a["seed"], **variant)
-    with DiLoCoX(model, inner, cfg) as dl:
+    with DiLoCoX(model, inner, cfg, train_iters=a["steps"]) as dl:
         for s in range(a["steps"]):
             inner_step(s, *batch(shards[cluster], s, a["batch"], a["seq"], cluster))
             if (s + 1) % a["eval_every"] == 0 and s + 1 < a["steps"]:

@@ -31,7 +31,7 @@ def main():
 
     cfg = DiLoCoXConfig(num_clusters=a.clusters, cluster_id=a.cluster, rendezvous=a.rendezvous, h=10,
                         lowrank_rank=4, adaptive_h=False)  # secret from $DILOCOX_SECRET
-    with DiLoCoX(model, inner, cfg) as dl:
+    with DiLoCoX(model, inner, cfg, train_iters=a.steps) as dl:  # train_iters: the outer-lr warm-up is a fifth
         for step in range(a.steps):
             x = torch.randn(32, 64, generator=data)
             torch.nn.functional.mse_loss(model(x), torch.tanh(x @ target)).backward()
