@@ -493,6 +493,9 @@ def disagreements():
                         f"hidden_size: cluster 0 has '64', cluster 1 has '96'; "
                         f"shapes: cluster 0 has {shapes(64)!r}, cluster 1 has {shapes(96)!r}"),
         "dilocox-settings": (fp_dilocox, "dilocox.h: cluster 0 has 50, cluster 1 has 8"),
+        # the default outer-lr warm-up is a fifth of --train-iters (200 when the length is unknown)
+        "run-length": (_fingerprints(mp, args1=dict(train_iters=500)),
+                       "outer_lr_warmup_iters: cluster 0 has 200, cluster 1 has 100"),
         "package-version": (_fingerprints(mp, version1=version + "+other"),
                             f"megatron_dilocox: cluster 0 has '{version}', cluster 1 has '{version}+other'"),
         "megatron-core-version": (None, f"megatron_core: cluster 0 has '{core}', cluster 1 has '{core}+other'"),
@@ -508,7 +511,7 @@ def disagreements():
     return {name: ([res[(c, 0)][i] for c in range(2)], expected) for i, (name, (_, expected)) in enumerate(cases.items())}
 
 
-@pytest.mark.parametrize("kind", ["layout", "seed", "model-shape", "dilocox-settings", "package-version",
+@pytest.mark.parametrize("kind", ["layout", "seed", "model-shape", "dilocox-settings", "run-length", "package-version",
                                   "megatron-core-version", "same"])
 def test_rendezvous_refuses_clusters_that_disagree_naming_the_difference(disagreements, kind):
     results, expected = disagreements[kind]

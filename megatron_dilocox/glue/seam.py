@@ -49,6 +49,14 @@ log = logging.getLogger("megatron_dilocox")
 STATE_KEY = "dilocox"
 
 
+def run_iters(args) -> Optional[int]:
+    """The run's length in iterations; sample-based runs (--train-samples) get args.train_iters from Megatron
+    only after the optimizer is built."""
+    if getattr(args, "train_iters", None):
+        return args.train_iters
+    return args.train_samples // args.global_batch_size if getattr(args, "train_samples", None) else None
+
+
 def fingerprint(cfg: DiLoCoXConfig, args, views) -> dict:
     """What every cluster must share, compared at rendezvous (differences are named)."""
     import megatron.core
@@ -62,6 +70,9 @@ def fingerprint(cfg: DiLoCoXConfig, args, views) -> dict:
             "moe_router_topk", "moe_layer_freq", "seq_length", "padded_vocab_size", "seed", "params_dtype",
             "optimizer")
     fp = {k: str(getattr(args, k, None)) for k in keys}
+    # the default warm-up follows each cluster's run length; the outer step, which every cluster takes itself,
+    # must not differ
+    fp.update(outer_lr_warmup_iters=cfg.resolved_outer_lr_warmup_iters(run_iters(args)))
     fp.update(dilocox=cfg.agreement_dict(), megatron_core=megatron.core.__version__,
               megatron_dilocox=megatron_dilocox.__version__, shapes=[list(v.shape) for v in views])
     return fp
@@ -93,10 +104,7 @@ class DiLoCoXOptimizer:
         if group is None or not group.joining:  # a rejoining cluster takes the members' state instead
             checkpoints.agree_on_resume_iteration(cfg, args, group, intra)  # before Megatron loads
         metrics = MetricsWriter(cfg.metrics_file if intra.is_writer else None)
-        # sample-based runs (--train-samples) get args.train_iters only after the optimizer is built
-        run_iters = self.train_iters or (args.train_samples // args.global_batch_size
-                                         if getattr(args, "train_samples", None) else None)
-        self.sync = DiLoCoXSync(views, cfg, group, intra, metrics, train_iters=run_iters)
+        self.sync = DiLoCoXSync(views, cfg, group, intra, metrics, train_iters=run_iters(args))
         with torch.no_grad():
             self.sync.start()  # every cluster starts from cluster 0's model
             self._refresh_model_params()
