@@ -101,6 +101,16 @@ def test_state_dict_refuses_other_settings():
     other = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4, quant_bits=8)).start()
     with pytest.raises(ValueError, match=r"different settings: \['quant_bits'\]"):
         other.load_state_dict(sync.state_dict())
+    # a checkpoint from before the outer-lr default changed (0.7, no warm-up): the message gives the flags to pass
+    old = DiLoCoXSync([p.data for p in model.parameters()],
+                      DiLoCoXConfig(h=4, outer_lr=0.7, outer_lr_warmup_iters=0, lowrank=False)).start().state_dict()
+    with pytest.raises(ValueError) as err:
+        sync.load_state_dict(old)
+    assert str(err.value) == (
+        "DiLoCoX checkpoint was written with different settings: ['lowrank', 'outer_lr', 'outer_lr_warmup_iters']; "
+        "to resume it, run with the saved ones: --dilocox-no-lowrank --dilocox-outer-lr 0.7 "
+        "--dilocox-outer-lr-warmup-iters 0 (in Python: lowrank=False, outer_lr=0.7, outer_lr_warmup_iters=0; now "
+        "lowrank=True, outer_lr=1.0, outer_lr_warmup_iters=None)")
 
 
 def test_state_dict_from_before_a_knob_existed_loads_when_the_knob_is_at_its_default():

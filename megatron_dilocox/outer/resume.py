@@ -40,6 +40,13 @@ def save(sync) -> dict:
     }
 
 
+def _as_flag(name: str, value) -> str:
+    flag = "--dilocox-" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else flag.replace("--dilocox-", "--dilocox-no-", 1)
+    return f"(no {flag})" if value is None else f"{flag} {value}"
+
+
 @torch.no_grad()
 def load(sync, state: dict):
     mine = sync.cfg.agreement_dict()
@@ -47,7 +54,10 @@ def load(sync, state: dict):
     theirs = {**{k: f.default for k, f in _FIELDS.items() if k in mine}, **state["config"]}
     diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if diff:
-        raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}")
+        raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}; to resume it, run "
+                         f"with the saved ones: {' '.join(_as_flag(k, theirs.get(k)) for k in diff)} (in Python: "
+                         f"{', '.join(f'{k}={theirs.get(k)!r}' for k in diff)}; now "
+                         f"{', '.join(f'{k}={mine.get(k)!r}' for k in diff)})")
     sync.round, sync.steps_in_round, sync.iteration = state["round"], state["steps_in_round"], state["iteration"]
     sync.h, sync.comm_seconds_prev, sync.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
     sync.tau = state.get("tau", plan.fixed_tau(sync.cfg, sync.h))  # checkpoints from before τ was saved (τ was H)
