@@ -13,7 +13,7 @@ import dataclasses
 import typing
 from typing import Callable, Optional
 
-from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
+from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError, flag_name, no_flag_name
 
 NOT_FLAGS = ("secret",)
 
@@ -31,14 +31,6 @@ def _fields():
 ALIASES = {"timeout_seconds": ("--dilocox-timeout",)}  # the short form the docs and issues use
 
 
-def flag_name(field_name: str) -> str:
-    return "--dilocox-" + field_name.replace("_", "-")
-
-
-def _no_flag(field_name: str) -> str:
-    return "--dilocox-no-" + field_name.replace("_", "-")
-
-
 def add_dilocox_args(parser: argparse.ArgumentParser, chain: Optional[Callable] = None) -> argparse.ArgumentParser:
     """Add the DiLoCoX flags; usable directly as Megatron's ``extra_args_provider``.
 
@@ -53,7 +45,7 @@ def add_dilocox_args(parser: argparse.ArgumentParser, chain: Optional[Callable] 
         dest = "dilocox_" + f.name
         if base is bool:
             group.add_argument(flag_name(f.name), dest=dest, action="store_true", default=None, help=text)
-            group.add_argument(_no_flag(f.name), dest=dest, action="store_false", default=None,
+            group.add_argument(no_flag_name(f.name), dest=dest, action="store_false", default=None,
                                help=argparse.SUPPRESS)
         else:
             group.add_argument(flag_name(f.name), *ALIASES.get(f.name, ()), dest=dest, type=base, default=None,
@@ -78,7 +70,7 @@ def config_from_args(args) -> Optional[DiLoCoXConfig]:
              if getattr(args, "dilocox_" + f.name, None) is not None}
     if not getattr(args, "dilocox", False):
         if given:
-            names = ", ".join(_no_flag(n) if given[n] is False else flag_name(n) for n in sorted(given))
+            names = ", ".join(no_flag_name(n) if given[n] is False else flag_name(n) for n in sorted(given))
             raise DiLoCoXConfigError(f"{names} given without --dilocox; add --dilocox to enable DiLoCoX "
                                      f"or drop these flags for plain Megatron")
         return None
@@ -91,7 +83,7 @@ def flag_table() -> str:
     for f, base in _fields():
         name = f"`{flag_name(f.name)}`"
         if base is bool:
-            name += f" / `{_no_flag(f.name)}`"
+            name += f" / `{no_flag_name(f.name)}`"
         rows.append(f"| {name} | {f.default} | {f.metadata.get('help', '')} |")
     rows.append("| `$DILOCOX_SECRET` (environment) | – | shared secret, required with more than one cluster |")
     return "\n".join(rows)

@@ -32,8 +32,14 @@ class DiLoCoXConfigError(ValueError):
     """A DiLoCoX setting is invalid; the message names the flag and the fix."""
 
 
-def _flag(name: str) -> str:
-    return "--dilocox-" + name.replace("_", "-")
+def flag_name(field_name: str) -> str:
+    """The --dilocox-* flag of a config field (the parser, error messages and the README table use it)."""
+    return "--dilocox-" + field_name.replace("_", "-")
+
+
+def no_flag_name(field_name: str) -> str:
+    """The --dilocox-no-* form that sets a boolean field to False."""
+    return "--dilocox-no-" + field_name.replace("_", "-")
 
 
 def knob(default, help: str, **kw):
@@ -193,7 +199,7 @@ class DiLoCoXConfig:
         """Raise DiLoCoXConfigError for the first invalid setting; return self when all are valid."""
 
         def fail(name: str, msg: str):
-            raise DiLoCoXConfigError(f"{_flag(name)}: {msg}")
+            raise DiLoCoXConfigError(f"{flag_name(name)}: {msg}")
 
         def need_int(name: str, lo: int):
             v = getattr(self, name)

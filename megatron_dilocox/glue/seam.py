@@ -70,11 +70,11 @@ def fingerprint(cfg: DiLoCoXConfig, args, views) -> dict:
             "moe_router_topk", "moe_layer_freq", "seq_length", "padded_vocab_size", "seed", "params_dtype",
             "optimizer")
     fp = {k: str(getattr(args, k, None)) for k in keys}
-    # the default warm-up follows each cluster's run length; the outer step, which every cluster takes itself,
-    # must not differ
-    fp.update(outer_lr_warmup_iters=cfg.resolved_outer_lr_warmup_iters(run_iters(args)))
-    fp.update(dilocox=cfg.agreement_dict(), megatron_core=megatron.core.__version__,
-              megatron_dilocox=megatron_dilocox.__version__, shapes=[list(v.shape) for v in views])
+    # outer_lr_warmup_iters: the default follows each cluster's run length, and the outer step, which every
+    # cluster takes itself, must not differ
+    fp.update(dilocox=cfg.agreement_dict(), outer_lr_warmup_iters=cfg.resolved_outer_lr_warmup_iters(run_iters(args)),
+              megatron_core=megatron.core.__version__, megatron_dilocox=megatron_dilocox.__version__,
+              shapes=[list(v.shape) for v in views])
     return fp
 
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from megatron_dilocox.compression.codec import ExchangeResult
-from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.config import DiLoCoXConfig, flag_name, no_flag_name
 from megatron_dilocox.outer import plan
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
 
@@ -41,10 +41,10 @@ def save(sync) -> dict:
 
 
 def _as_flag(name: str, value) -> str:
-    flag = "--dilocox-" + name.replace("_", "-")
+    """The command-line form of ``name = value`` (None: the flag left out, i.e. its default)."""
     if isinstance(value, bool):
-        return flag if value else flag.replace("--dilocox-", "--dilocox-no-", 1)
-    return f"(no {flag})" if value is None else f"{flag} {value}"
+        return flag_name(name) if value else no_flag_name(name)
+    return f"(no {flag_name(name)})" if value is None else f"{flag_name(name)} {value}"
 
 
 @torch.no_grad()
