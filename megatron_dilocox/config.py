@@ -14,7 +14,7 @@ from typing import Optional
 
 OVERLAP_MODES = ("none", "one-step-delay", "eager")
 LOWRANK_BASES = ("local", "shared")
-QUANT_BITS = (4, 8, 16, 32)
+QUANT_BITS = (1, 4, 8, 16, 32)
 OUTER_STATE_DEVICES = ("cpu", "param")
 PEER_FAILURE_POLICIES = ("stop", "continue")
 COORDINATOR_MODES = ("embedded", "standalone")
@@ -125,7 +125,7 @@ class DiLoCoXConfig:
     energy_threshold: float = knob(0.9, "fraction of the pseudo-gradient energy adaptive rank keeps")
     error_decay: float = knob(1.0, "error feedback carries beta x the last residual into the next round "
                                    "(1 = classic error feedback; < 1 forgets old residual)")
-    quant_bits: int = knob(4, "bits per transmitted value: 4, 8, 16 (bf16) or 32 (no quantization)")
+    quant_bits: int = knob(4, "bits per transmitted value: 1 (sign x block mean |x|), 4, 8, 16 (bf16) or 32 (no quantization)")
     quant_block_size: int = knob(128, "values per quantization block (one fp32 scale each)")
     seed: int = knob(1234, "seed shared by all clusters (warm-start Q)")
 

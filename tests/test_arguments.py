@@ -25,7 +25,7 @@ def test_absent_means_plain_megatron_and_stray_flags_are_an_error():
 
 
 def test_invalid_value_names_the_flag():
-    with pytest.raises(DiLoCoXConfigError, match=r"^--dilocox-quant-bits: must be one of 4, 8, 16, 32"):
+    with pytest.raises(DiLoCoXConfigError, match=r"^--dilocox-quant-bits: must be one of 1, 4, 8, 16, 32"):
         config_from_args(parse("--dilocox", "--dilocox-quant-bits", "5"))
 
 

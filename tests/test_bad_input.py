@@ -166,7 +166,7 @@ ROWS = [
     row("energy-threshold-0", ["--dilocox", "--dilocox-energy-threshold", "0"], CFG + "--dilocox-energy-threshold: must be in (0, 1], got 0.0"),
     row("energy-threshold-1.5", ["--dilocox", "--dilocox-energy-threshold", "1.5"],
         CFG + "--dilocox-energy-threshold: must be in (0, 1], got 1.5"),
-    row("quant-bits-3", ["--dilocox", "--dilocox-quant-bits", "3"], CFG + "--dilocox-quant-bits: must be one of 4, 8, 16, 32 (32 = off), got 3"),
+    row("quant-bits-3", ["--dilocox", "--dilocox-quant-bits", "3"], CFG + "--dilocox-quant-bits: must be one of 1, 4, 8, 16, 32 (32 = off), got 3"),
     row("quant-bits-text", ["--dilocox", "--dilocox-quant-bits", "int4"], USAGE + "argument --dilocox-quant-bits: invalid int value: 'int4'"),
     row("block-size-1", ["--dilocox", "--dilocox-quant-block-size", "1"], CFG + "--dilocox-quant-block-size: must be >= 2, got 1"),
     row("odd-block-size-4-bit-default", ["--dilocox", "--dilocox-quant-block-size", "33"],

@@ -56,7 +56,7 @@ def test_lowrank_error_against_svd_optimum(decay, rank):
     assert ratios[4] <= ratios[1] <= ratios[0]
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [1, 4, 8])
 def test_error_feedback_transmitted_sum_tracks_true_sum(bits):
     """Σ transmitted = Σ true − e_T exactly (float), and e_T stays bounded over 60 rounds."""
     n, m, rank = 64, 48, 2
@@ -235,7 +235,7 @@ def test_link_rule_sends_whole_when_it_hides_else_the_largest_rank_that_does():
     assert rule(sent, 1.0, 0.0, 8, 1, 64) == 8  # link not measured yet: unchanged
 
 
-@pytest.mark.parametrize("bits", [4, 32])
+@pytest.mark.parametrize("bits", [1, 4, 32])
 def test_rank_zero_sends_the_matrices_whole_and_error_feedback_stays_exact_across_switches(bits):
     """Rank 0 (the link budget's "whole"): Δ is the (quantized) M itself, e = M − sent, the bytes are the
     closed form of whole slabs; switching low rank → whole → low rank keeps Σ sent + e = Σ true and keeps Q

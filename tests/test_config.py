@@ -42,7 +42,7 @@ INVALID = [
     (dict(lowrank_min_dim=1), "--dilocox-lowrank-min-dim: must be >= 2, got 1"),
     (dict(energy_threshold=0.0), "--dilocox-energy-threshold: must be in (0, 1], got 0.0"),
     (dict(energy_threshold=1.5), "--dilocox-energy-threshold: must be in (0, 1], got 1.5"),
-    (dict(quant_bits=2), "--dilocox-quant-bits: must be one of 4, 8, 16, 32 (32 = off), got 2"),
+    (dict(quant_bits=2), "--dilocox-quant-bits: must be one of 1, 4, 8, 16, 32 (32 = off), got 2"),
     (dict(quant_block_size=1), "--dilocox-quant-block-size: must be >= 2, got 1"),
     (dict(quant_bits=4, quant_block_size=33), "--dilocox-quant-block-size: must be even with 4-bit quantization, got 33"),
     (dict(seed=-3), "--dilocox-seed: must be >= 0, got -3"),

@@ -139,7 +139,7 @@ def test_without_dilocox_flags_the_entry_is_plain_megatron(corpus, tmp_path):
 
 @pytest.mark.parametrize("flags,message", [
     (["--dilocox-overlap", "streaming"], "--dilocox-overlap: must be one of none, one-step-delay, eager, got 'streaming'"),
-    (["--dilocox-quant-bits", "3"], "--dilocox-quant-bits: must be one of 4, 8, 16, 32 (32 = off), got 3"),
+    (["--dilocox-quant-bits", "3"], "--dilocox-quant-bits: must be one of 1, 4, 8, 16, 32 (32 = off), got 3"),
     (["--dilocox-lowrank-rank", "100", "--dilocox-lowrank-min-dim", "32"],
      "--dilocox-lowrank-rank: rank 100 exceeds min(rows, cols) = 64"),
 ])

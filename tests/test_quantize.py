@@ -1,4 +1,5 @@
-"""Block quantization: exact byte counts, exact int4 packing, and the error bound absmax/(2*qmax)."""
+"""Block quantization: exact byte counts, exact int4 and sign packing, the error bound absmax/(2*qmax), and the
+1-bit scale that minimises the squared error."""
 import math
 
 import pytest
@@ -29,6 +30,8 @@ def test_byte_formula_closed_form():
     assert payload_bytes(1000, 8, 100) == 1000 + 4 * 10
     assert payload_bytes(1000, 16, 128) == 2000
     assert payload_bytes(1000, 32, 128) == 4000
+    assert payload_bytes(1000, 1, 128) == 125 + 4 * 8
+    assert payload_bytes(1001, 1, 128) == 126 + 4 * 8
 
 
 def test_int4_codes_are_packed_two_per_byte_low_nibble_first():
@@ -54,3 +57,27 @@ def test_zero_block_and_wrong_size_payload():
     assert torch.equal(dequantize(quantize(torch.zeros(10), 8, 4), 10, 8, 4), torch.zeros(10))
     with pytest.raises(ValueError, match="payload of 5 bytes, expected 22"):
         dequantize(torch.zeros(5, dtype=torch.uint8), 10, 8, 4)
+
+
+def test_sign_codes_are_packed_eight_per_byte_lowest_bit_first_and_scaled_by_the_block_mean_abs():
+    x = torch.tensor([1.0, -2.0, 3.0, -4.0, 0.0, 6.0, -7.0, 8.0, -9.0, 10.0])  # 0 counts as positive
+    payload = quantize(x, 1, 4)  # blocks [1,-2,3,-4] [0,6,-7,8] [-9,10] (the last one padded)
+    assert payload.numel() == payload_bytes(10, 1, 4) == 2 + 4 * 3
+    assert payload[:2].tolist() == [0b01001010, 0b01]
+    assert payload[2:].clone().view(torch.float32).tolist() == [2.5, 5.25, 9.5]  # mean |x| of the real values
+    assert dequantize(payload, 10, 1, 4).tolist() == [2.5, -2.5, 2.5, -2.5, 5.25, 5.25, -5.25, 5.25, -9.5, 9.5]
+
+
+@pytest.mark.parametrize("numel,block", [(1, 2), (7, 4), (1000, 128), (4097, 64)])
+def test_sign_scale_is_the_least_squares_one_and_the_error_is_its_closed_form(numel, block):
+    """For fixed signs s, min_a ||x - a s||^2 is at a = mean|x|, leaving sum x^2 - n a^2 per block."""
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g) * torch.logspace(-3, 2, numel)
+    y = dequantize(quantize(x, 1, block), numel, 1, block)
+    for start in range(0, numel, block):
+        xb, yb = x[start:start + block].double(), y[start:start + block].double()
+        a = xb.abs().mean()
+        assert torch.allclose(yb.abs(), a.expand_as(yb).float().double(), rtol=1e-6)
+        assert torch.allclose((xb - yb).pow(2).sum(), xb.pow(2).sum() - len(xb) * a * a, rtol=1e-4, atol=1e-9)
+        for other in (0.9 * a, 1.1 * a):  # any other scale is worse
+            assert (xb - yb * other / a).pow(2).sum() > (xb - yb).pow(2).sum()

@@ -1,11 +1,15 @@
 """Block-wise symmetric quantization of fp32 tensors into byte payloads.
 
 bits=4 and 8: each block of ``block`` values shares one fp32 scale (absmax / qmax); values round to the
-nearest integer in [-qmax, qmax]; int4 codes are packed two per byte. bits=16 is bf16, bits=32 is raw fp32.
+nearest integer in [-qmax, qmax]; int4 codes are packed two per byte. bits=1 sends the sign of each value
+(eight per byte) and one scale per block, the block's mean |x|: for fixed signs that is the scale with the
+least squared error, and with error feedback (the codec's e) the rest is carried to the next round, as in
+EF-signSGD (Karimireddy et al., 2019). bits=16 is bf16, bits=32 is raw fp32.
 Payloads are flat uint8 tensors so that every piece of a round travels in one collective, and their size
 is the closed form ``payload_bytes`` (tests compare the two).
 
-Error bound for bits 4/8: |x - dequant(quant(x))| <= absmax(block) / (2 * qmax) per element.
+Error bound for bits 4/8: |x - dequant(quant(x))| <= absmax(block) / (2 * qmax) per element; for bits=1 the
+block's squared error is sum(x^2) - block * mean|x|^2 (never more than the block's energy).
 """
 from __future__ import annotations
 
@@ -42,6 +46,31 @@ def bytes_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buf.view(dtype)
 
 
+def _mean_abs(blocks: torch.Tensor, numel: int) -> torch.Tensor:
+    """Per-block mean |x| over the block's real values (the zero padding of the last block not counted)."""
+    scale = blocks.abs().sum(dim=1)
+    counts = torch.full_like(scale, float(blocks.shape[1]))
+    counts[-1] = numel - (blocks.shape[0] - 1) * blocks.shape[1]
+    return scale.div_(counts)
+
+
+def _pack_signs(negative: torch.Tensor) -> torch.Tensor:
+    """Bools, eight per byte, lowest bit first; the last byte zero-padded."""
+    n = negative.numel()
+    bits = negative.to(torch.uint8)
+    if n % 8:
+        bits = torch.cat([bits, bits.new_zeros(8 - n % 8)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_signs(data: torch.Tensor, numel: int) -> torch.Tensor:
+    """+1.0 / -1.0 per value from ``_pack_signs``'s bytes."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    negative = ((data[:, None] >> shifts) & 1).view(-1)[:numel]
+    return 1.0 - 2.0 * negative.float()
+
+
 def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     """Encode ``x`` (any shape, any float dtype) as a flat uint8 payload of ``payload_bytes`` bytes."""
     flat = x.detach().reshape(-1).float()
@@ -54,6 +83,8 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     if n % block:  # zero-pad the last block (whole blocks, the usual case, are quantized in place of a copy)
         flat = torch.cat([flat, flat.new_zeros(nblocks * block - n)])
     blocks = flat.view(nblocks, block)
+    if bits == 1:
+        return torch.cat([_pack_signs(flat[:n] < 0), _as_bytes(_mean_abs(blocks, n))])
     q = qmax(bits)
     scale = blocks.abs().amax(dim=1) / q
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -81,7 +112,9 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int) -> torc
     nblocks = math.ceil(numel / block)
     data_len = expected - SCALE_BYTES * nblocks
     data, scale = payload[:data_len], bytes_as(payload[data_len:], torch.float32)
-    if bits == 8:
+    if bits == 1:
+        codes = _unpack_signs(data, numel)
+    elif bits == 8:
         codes = bytes_as(data, torch.int8).float()
     else:
         low = (data & 0x0F).to(torch.int16) - 8

@@ -27,7 +27,7 @@ HELP = {
     "tokens_per_gpu_s": "measured tokens/s per GPU (overrides --mfu)",
     "global_batch_tokens": "tokens per inner step, all clusters together",
     "link_gbps": "inter-cluster bandwidth per cluster, Gbit/s", "latency_ms": "one-way latency per ring hop, ms",
-    "h": "inner steps per round", "rank": "low-rank rank", "bits": "quantization bits: 4, 8, 16, 32",
+    "h": "inner steps per round", "rank": "low-rank rank", "bits": "quantization bits: 1, 4, 8, 16, 32",
     "block": "values per quantization block", "min_dim": "matrices with min(rows, cols) below this go whole",
     "lowrank": "low-rank compression", "lowrank_basis": "local or shared (--dilocox-lowrank-basis)", "overlap": "eager, one-step-delay or none",
     "outer_momentum": "outer momentum (0: no momentum buffer)", "outer_state_device": "cpu or param",
