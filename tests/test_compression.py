@@ -193,7 +193,7 @@ def test_local_basis_against_svd_optimum_and_against_the_shared_basis(iters):
         assert a <= b * (1 + 1e-4)
 
 
-@pytest.mark.parametrize("bits", [4, 32])
+@pytest.mark.parametrize("bits", [1, 4, 32])
 def test_local_basis_error_feedback_is_exact_and_bytes_are_the_shared_closed_form(bits):
     """Σ transmitted + e = Σ true (what was sent, quantization included, is what e excludes), and one round
     sends exactly the shared basis's bytes at the same rank (same factor shapes, one all-gather)."""

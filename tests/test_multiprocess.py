@@ -65,6 +65,25 @@ def test_two_clusters_two_ranks_delay_mode_compressed(tmp_path, basis):
         assert (r["H"], r["lowrank_rank"], r["quant_bits"]) == (3, rank, bits)
 
 
+def test_two_clusters_one_bit_whole_agree_bitwise_and_bytes_are_the_closed_form(tmp_path):
+    """--dilocox-quant-bits 1 across real processes: every tensor whole as signs + one scale per block, one
+    all-gather per round of exactly the closed form; the clusters hold bitwise the same global model."""
+    C, bits, block = 2, 1, 32
+    res = run(C, steps=8, metrics_dir=str(tmp_path),
+              dilocox=spec(C, h=2, lowrank=False, quant_bits=bits, quant_block_size=block, adaptive_h=False))
+    assert_no_errors(res)
+    rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
+    assert len(rows0) == len(rows1) == 4 and len({r["global_model_hash"] for r in rows0}) == 4
+    numel = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT
+    for a, b in zip(rows0, rows1):
+        assert a["status"] == "applied" and a["global_model_hash"] == b["global_model_hash"]
+        assert a["quant_bits"] == 1 and a["lowrank_rank"] == 0
+        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload_bytes(numel, bits, block))
+        assert a["bytes_dense_fp32"] == 2 * (C - 1) * 4 * numel // C
+        assert 0.2 < a["compression_rel_error"] < 1  # signs x mean |x|: lossy, never more than the signal
+    assert all(torch.equal(x, y) for x, y in zip(res[(0, 0)]["final_params"], res[(1, 0)]["final_params"]))
+
+
 @pytest.mark.parametrize("same_init", [True, False])
 def test_start_sends_cluster_0_model_only_where_it_differs(same_init):
     """Clusters seeded alike (Megatron's --seed) already agree: start() compares a digest and sends nothing
