@@ -60,13 +60,13 @@ def _pack_signs(negative: torch.Tensor) -> torch.Tensor:
     bits = negative.to(torch.uint8)
     if n % 8:
         bits = torch.cat([bits, bits.new_zeros(8 - n % 8)])
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=negative.device)
     return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack_signs(data: torch.Tensor, numel: int) -> torch.Tensor:
     """+1.0 / -1.0 per value from ``_pack_signs``'s bytes."""
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
     negative = ((data[:, None] >> shifts) & 1).view(-1)[:numel]
     return 1.0 - 2.0 * negative.float()
 
