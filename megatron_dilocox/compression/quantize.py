@@ -9,7 +9,7 @@ Payloads are flat uint8 tensors so that every piece of a round travels in one co
 is the closed form ``payload_bytes`` (tests compare the two).
 
 Error bound for bits 4/8: |x - dequant(quant(x))| <= absmax(block) / (2 * qmax) per element; for bits=1 the
-block's squared error is sum(x^2) - block * mean|x|^2 (never more than the block's energy).
+block's squared error is sum(x^2) - n_b * mean|x|^2, n_b its real values (never more than its energy).
 """
 from __future__ import annotations
 
