@@ -29,6 +29,7 @@ from megatron_dilocox.compression.collective import Collective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank, TorchDistCluster
+from megatron_dilocox.outer.streaming import make_sync
 from megatron_dilocox.outer.sync import DiLoCoXSync
 
 
@@ -71,7 +72,7 @@ class DiLoCoX:
             group = InterClusterGroup(self.config, local_rank, connect_store(self.config, host),
                                       fingerprint={"shapes": [list(p.shape) for p in self.params]}, local_world=world)
         metrics = MetricsWriter(self.config.metrics_file if intra.is_writer else None)
-        self.sync = DiLoCoXSync([p.data for p in self.params], self.config, group, intra, metrics,
+        self.sync = make_sync([p.data for p in self.params], self.config, group, intra, metrics,
                                 train_iters=self.train_iters).start()
         self._hook = self.inner.register_step_post_hook(lambda *_: self.sync.after_inner_step())
         return self

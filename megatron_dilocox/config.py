@@ -72,6 +72,10 @@ class DiLoCoXConfig:
     overlap: str = knob("eager", "none (synchronous DiLoCo), one-step-delay or eager (both: the transfer hidden "
                                  "behind the next round, applied one round late; eager starts that round from a "
                                  "local proxy of the missing average)")
+    fragments: int = knob(1, "Streaming DiLoCo: sync the model as this many fragments (contiguous runs of tensors "
+                             "of about equal size), each on its own round, their boundaries H/F inner steps apart: "
+                             "the same bytes per step, but each fragment's transfer is 1/F as long, so it lands "
+                             "about H/F steps after it leaves (README: convergence)")
     # (None, from Python: always at the boundary, timing-free)
     overlap_steps: Optional[int] = knob(0, "τ: the average of a round is applied τ inner steps into the next "
                                            "round (the local progress of those τ steps is kept on top of it). "
@@ -235,6 +239,14 @@ class DiLoCoXConfig:
             fail("on_peer_failure", f"must be one of {', '.join(PEER_FAILURE_POLICIES)}, got {self.on_peer_failure!r}")
 
         need_int("h", 1)
+        need_int("fragments", 1)
+        if self.fragments > 1:
+            if self.on_peer_failure == "continue":
+                fail("fragments", "needs --dilocox-on-peer-failure stop: a cluster rejoining a run in progress "
+                                  "takes one round's state, and fragments are F rounds in flight at once")
+            if min(self.h, self.resolved_h_min) < self.fragments:
+                fail("fragments", f"needs --dilocox-h and --dilocox-h-min >= {self.fragments} (a fragment's round "
+                                  f"ends every H/F inner steps), got H = {self.h}, H min = {self.resolved_h_min}")
         for name in ("h_min", "h_max"):
             if getattr(self, name) is not None:
                 need_int(name, 1)

@@ -84,6 +84,30 @@ def test_two_clusters_one_bit_whole_agree_bitwise_and_bytes_are_the_closed_form(
     assert all(torch.equal(x, y) for x, y in zip(res[(0, 0)]["final_params"], res[(1, 0)]["final_params"]))
 
 
+def test_two_clusters_two_fragments_agree_bitwise_and_bytes_are_each_fragments_closed_form(tmp_path):
+    """--dilocox-fragments 2 across real processes (outer/streaming.py): the test network's tensors (512, 32,
+    256, 8 elements) split as [512] and [32, 256, 8]; H = 4, so fragment 1's rounds end at 2, 6, 10 and fragment
+    0's at 4, 8, 12; the end sends fragment 1's last 2 steps. Every row: the same whole-model hash on both
+    clusters, one all-gather of that fragment's int4 payload."""
+    C, bits, block = 2, 4, 32
+    res = run(C, steps=12, metrics_dir=str(tmp_path),
+              dilocox=spec(C, h=4, fragments=2, overlap="eager", lowrank=False, quant_bits=bits, quant_block_size=block))
+    assert_no_errors(res)
+    rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
+    schedule = [(r["fragment"], r["round"], r["launched_at"]) for r in rows0]
+    # rows in landing order (τ = H here: each lands at its next boundary; the end applies fragment 0's last round,
+    # then fragment 1's, then sends and applies fragment 1's partial one)
+    assert schedule == [(1, 1, 2), (0, 1, 4), (1, 2, 6), (0, 2, 8), (0, 3, 12), (1, 3, 10), (1, 4, 12)]
+    assert schedule == [(r["fragment"], r["round"], r["launched_at"]) for r in rows1]
+    numel = {0: IN * HIDDEN, 1: HIDDEN + HIDDEN * OUT + OUT}
+    for a, b in zip(rows0, rows1):
+        assert a["status"] == "applied" and a["global_model_hash"] == b["global_model_hash"]
+        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload_bytes(numel[a["fragment"]], bits, block))
+    assert len({r["global_model_hash"] for r in rows0}) == len(rows0)  # every fragment's round moves φ
+    assert rows0[-1]["global_model_hash"] == res[(0, 0)]["final_hash"] == res[(1, 0)]["final_hash"]
+    assert all(torch.equal(x, y) for x, y in zip(res[(0, 0)]["final_params"], res[(1, 0)]["final_params"]))
+
+
 @pytest.mark.parametrize("same_init", [True, False])
 def test_start_sends_cluster_0_model_only_where_it_differs(same_init):
     """Clusters seeded alike (Megatron's --seed) already agree: start() compares a digest and sends nothing

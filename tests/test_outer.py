@@ -9,6 +9,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.nesterov import OuterNesterov
 from megatron_dilocox.outer.cluster import IntraCluster
 from megatron_dilocox.outer.link import agree_on_cluster
+from megatron_dilocox.outer.streaming import make_sync
 from megatron_dilocox.outer.sync import DiLoCoXSync, DivergedError
 from tests.workers import batch, loss_fn, make_inner, make_model
 
@@ -45,7 +46,7 @@ def train(steps, dilocox=None, inner="adam", save_at=None, load=None):
     opt = make_inner(model, inner, 0.01)
     sync = None
     if dilocox is not None:
-        sync = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(**dilocox)).start()
+        sync = make_sync([p.data for p in model.parameters()], DiLoCoXConfig(**dilocox)).start()
     first = 0
     if load is not None:
         model.load_state_dict(load["model"])

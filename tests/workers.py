@@ -15,7 +15,7 @@ import torch
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
-from megatron_dilocox.outer.sync import DiLoCoXSync
+from megatron_dilocox.outer.streaming import make_sync
 from megatron_dilocox.topology import InterClusterGroup, connect_store
 
 IN, HIDDEN, OUT = 16, 32, 8
@@ -92,7 +92,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN + 1), torch.nn.Tanh(), torch.nn.Linear(HIDDEN + 1, OUT))
     inner = make_inner(model, spec.get("inner", "adam"), spec.get("inner_lr", 0.01))
     metrics = MetricsWriter(spec.get("metrics_dir") and f"{spec['metrics_dir']}/metrics_c{cluster}.jsonl")
-    sync = DiLoCoXSync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics).start()
+    sync = make_sync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics).start()
     out = {"rows": [], "anchors": [], "params": [], "losses": [], "step_times": [], "error": None,
            "cluster": cluster, "joined_midrun": sync.joined_midrun, "first_iteration": sync.iteration,
            "start_broadcast": sync.start_broadcast, "t_started": t_started, "t_synced": time.time(),

@@ -42,7 +42,7 @@ from megatron_dilocox.glue import checkpoints
 from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
-from megatron_dilocox.outer.sync import DiLoCoXSync
+from megatron_dilocox.outer.streaming import make_sync
 from megatron_dilocox.topology import InterClusterGroup, connect_store
 
 log = logging.getLogger("megatron_dilocox")
@@ -104,23 +104,25 @@ class DiLoCoXOptimizer:
         if group is None or not group.joining:  # a rejoining cluster takes the members' state instead
             checkpoints.agree_on_resume_iteration(cfg, args, group, intra)  # before Megatron loads
         metrics = MetricsWriter(cfg.metrics_file if intra.is_writer else None)
-        self.sync = DiLoCoXSync(views, cfg, group, intra, metrics, train_iters=run_iters(args))
+        self.sync = make_sync(views, cfg, group, intra, metrics, train_iters=run_iters(args))
         with torch.no_grad():
             self.sync.start()  # every cluster starts from cluster 0's model
             self._refresh_model_params()
         log.info("DiLoCoX on: cluster %d of %d, %d tensors (%d low-rank groups) on this rank, H=%d, overlap=%s",
-                 cfg.cluster_id, cfg.num_clusters, len(views), len(self.sync.codec.groups), cfg.h, cfg.overlap)
+                 cfg.cluster_id, cfg.num_clusters, len(views), len(self.layout(rank)["lowrank_groups"]), cfg.h,
+                 cfg.overlap)
         log.info("DiLoCoX layout %s", json.dumps(self.layout(rank)))
 
     def layout(self, rank: int) -> dict:
         """What this rank syncs (elements by kind, low-rank groups, elements sent whole) and the codec's
         closed-form bytes per round: tests compare these with parameter counts and the bytes really sent."""
-        codec = self.sync.codec
+        codecs = [f.codec for f in getattr(self.sync, "fragments", [self.sync])]  # (one per fragment)
         numel = {kind: sum(v.numel() for v, k in zip(self.sync.params, self.view_kinds) if k == kind)
                  for kind in ("dense", "expert", "router")}
-        return {"rank": rank, "numel": numel, "lowrank_groups": [[g.rows, g.cols, len(g.members)] for g in codec.groups],
-                "whole_numel": sum(codec.numels[i] for i in codec.whole), "lowrank_rank": codec.rank,
-                "round_bytes": codec.round_bytes(codec.rank, self.cfg.num_clusters)}
+        return {"rank": rank, "numel": numel,
+                "lowrank_groups": [[g.rows, g.cols, len(g.members)] for c in codecs for g in c.groups],
+                "whole_numel": sum(c.numels[i] for c in codecs for i in c.whole), "lowrank_rank": codecs[0].rank,
+                "round_bytes": sum(c.round_bytes(c.rank, self.cfg.num_clusters) for c in codecs)}
 
     # ------------------------------------------------------------------------------------ training
     def step(self):

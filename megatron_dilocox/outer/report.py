@@ -30,7 +30,7 @@ def round_row(sync, r, exposed: float, h_used: int, rank_used: int) -> dict:
     hashes = intra.gather_str(sync.model_hash())
     solo = len(hashes) == 1
     return {
-        "round": r.round, "iteration": sync.iteration, "launched_at": r.launched_at,
+        "round": r.round, "fragment": sync.fragment, "iteration": sync.iteration, "launched_at": r.launched_at,
         "cluster": sync.cfg.cluster_id, "num_clusters": r.num_clusters, "status": r.status,
         "H": h_used, "next_H": sync.h,
         "lowrank_rank": rank_used if lowrank else 0, "next_lowrank_rank": sync.codec.rank if lowrank else 0,

@@ -51,7 +51,8 @@ def _as_flag(name: str, value) -> str:
 def load(sync, state: dict):
     mine = sync.cfg.agreement_dict()
     # a knob added since the checkpoint was written ran at its default then
-    theirs = {**{k: f.default for k, f in _FIELDS.items() if k in mine}, **state["config"]}
+    saved = state["config"] if "config" in state else state["fragments"][0]["config"]  # (streaming.py's state)
+    theirs = {**{k: f.default for k, f in _FIELDS.items() if k in mine}, **saved}
     diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if diff:
         raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}; to resume it, run "

@@ -39,7 +39,7 @@ import concurrent.futures
 import hashlib
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -63,8 +63,13 @@ class DivergedError(FloatingPointError):
 class DiLoCoXSync:
     def __init__(self, params: Sequence[torch.Tensor], config: DiLoCoXConfig,
                  group: Optional[Collective] = None, intra: Optional[IntraCluster] = None,
-                 metrics: Optional[MetricsWriter] = None, train_iters: Optional[int] = None):
+                 metrics: Optional[MetricsWriter] = None, train_iters: Optional[int] = None,
+                 executor: Optional[concurrent.futures.Executor] = None, fragment: int = 0,
+                 hash_of: Optional[Callable[[], str]] = None):
+        """``executor``, ``fragment``, ``hash_of``: set by StreamingSync (streaming.py) for fragment j of F,
+        whose rounds share its one exchange thread and whose rows hash the whole global model."""
         self.cfg = config.validate()
+        self.fragment, self._hash_of, self._owns_executor = fragment, hash_of, executor is None
         self.train_iters = train_iters  # the run's length, if known: sets the default outer-lr warm-up
         self.params = list(params)
         self.group = group or SoloCollective()
@@ -91,7 +96,7 @@ class DiLoCoXSync:
         self.seconds_per_byte_prev = 0.0  # the link's measured rate (smoothed), for --dilocox-link-budget
         self.step_seconds = 0.0  # EMA of the inner-step time (between hooks)
         self._last_hook = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
         self._in_flight: Optional[concurrent.futures.Future] = None
         self._done: Optional[ExchangeResult] = None  # finished but not yet applied (after state_dict())
         self.exchange_spans: list[tuple[float, float]] = []  # wall-clock (start, end) of each exchange
@@ -149,8 +154,9 @@ class DiLoCoXSync:
         return self
 
     # ------------------------------------------------------------------------------------------ hook
-    def after_inner_step(self) -> bool:
-        """Call after every inner optimizer step; returns True when θ was changed (a round boundary)."""
+    def after_inner_step(self, boundary_due: Optional[bool] = None) -> bool:
+        """Call after every inner optimizer step; returns True when θ was changed (a round boundary or a
+        landing). ``boundary_due``: whether this step ends the round (default: H steps into it)."""
         now = time.perf_counter()
         if self._last_hook is not None:
             dt = now - self._last_hook
@@ -158,7 +164,7 @@ class DiLoCoXSync:
         self.iteration += 1
         self.steps_in_round += 1
         changed = False
-        if self.steps_in_round >= self.h:
+        if self.steps_in_round >= self.h if boundary_due is None else boundary_due:
             self.boundary()
             changed = True
         elif self.delayed and self.steps_in_round == self.tau and (self._in_flight or self._done):
@@ -261,8 +267,9 @@ class DiLoCoXSync:
                 self._in_flight.result()
             except Exception:  # closing after a failure: the caller already has the error
                 pass
-        self._executor.shutdown(wait=True)
-        self.group.close()
+        if self._owns_executor:  # (a fragment's executor and group are closed by its StreamingSync)
+            self._executor.shutdown(wait=True)
+            self.group.close()
 
     # ------------------------------------------------------------------------------------------ pieces
     def _exchange(self, delta, round_idx, iteration) -> ExchangeResult:
@@ -366,7 +373,7 @@ class DiLoCoXSync:
         return self.anchor
 
     def model_hash(self) -> str:
-        return report.tensors_hash(self.anchor)
+        return self._hash_of() if self._hash_of else report.tensors_hash(self.anchor)
 
     def _write_row(self, r: ExchangeResult, exposed: float, h_used: int, rank_used: int):
         row = report.round_row(self, r, exposed, h_used, rank_used)

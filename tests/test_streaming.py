@@ -1,0 +1,127 @@
+"""Streaming DiLoCo fragments (outer/streaming.py) in one process (C=1): the split, the schedule, an
+independent reference of the outer steps, reduction to plain training, resume, refusals."""
+import copy
+
+import pytest
+import torch
+
+from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
+from megatron_dilocox.outer.streaming import StreamingSync, make_sync, split_fragments
+from megatron_dilocox.outer.sync import DiLoCoXSync
+from tests.test_outer import inner_step, train
+from tests.workers import make_inner, make_model
+
+
+def test_split_is_contiguous_about_even_and_never_empty():
+    assert split_fragments([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
+    assert split_fragments([10, 10, 10, 10], 4) == [range(i, i + 1) for i in range(4)]
+    assert split_fragments([1, 1, 1, 97], 2) == [range(0, 3), range(3, 4)]  # the cut waits for half the elements
+    assert split_fragments([100, 1, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 4)]  # one cut per tensor
+    assert split_fragments([5, 5, 5, 5, 5, 5], 3) == [range(0, 2), range(2, 4), range(4, 6)]
+    with pytest.raises(ValueError, match=r"holds only 2 tensors.*--dilocox-fragments 2 or fewer"):
+        split_fragments([3, 3], 3)
+
+
+def test_make_sync_picks_streaming_only_for_more_than_one_fragment():
+    params = [p.data for p in make_model(0).parameters()]
+    assert type(make_sync(params, DiLoCoXConfig(h=4))) is DiLoCoXSync
+    assert type(make_sync(params, DiLoCoXConfig(h=4, fragments=2))) is StreamingSync
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(h=4, fragments=0), r"--dilocox-fragments: must be >= 1"),
+    (dict(h=3, fragments=4), r"--dilocox-fragments: needs --dilocox-h and --dilocox-h-min >= 4.*H = 3, H min = 3"),
+    (dict(h=8, h_min=2, fragments=4), r"H = 8, H min = 2"),
+    (dict(h=8, fragments=2, on_peer_failure="continue"), r"needs --dilocox-on-peer-failure stop"),
+])
+def test_config_refuses_what_fragments_cannot_do(bad, match):
+    with pytest.raises(DiLoCoXConfigError, match=match):
+        DiLoCoXConfig(**bad).validate()
+
+
+def test_boundaries_are_h_over_f_apart_and_the_end_sends_every_partial_round():
+    """H = 8, F = 4, τ = 2: fragment j's rounds end 2j steps into fragment 0's (fragment 0's at 8, 16), each
+    lands 2 steps later; at the end (20 steps) every fragment sends the steps since its last boundary."""
+    model = make_model(0)
+    opt = make_inner(model, "adam", 0.01)
+    cfg = DiLoCoXConfig(h=8, fragments=4, overlap="eager", adaptive_h=False, lowrank=False, quant_bits=4,
+                        overlap_steps=2)
+    sync = make_sync([p.data for p in model.parameters()], cfg).start()
+    assert sync.parts == [range(i, i + 1) for i in range(4)]  # 512, 32, 256, 8 elements: one tensor each
+    changed = []
+    for step in range(20):
+        inner_step(model, opt, step)
+        changed.append(sync.after_inner_step())
+    assert [i + 1 for i, c in enumerate(changed) if c] == list(range(2, 21, 2))  # a boundary or landing every 2
+    assert [(r["fragment"], r["round"], r["launched_at"], r["iteration"]) for r in sync.rows] == [
+        (1, 1, 2, 4), (2, 1, 4, 6), (3, 1, 6, 8), (0, 1, 8, 10), (1, 2, 10, 12), (2, 2, 12, 14), (3, 2, 14, 16),
+        (0, 2, 16, 18), (1, 3, 18, 20)]
+    sync.finalize()
+    # the end: fragment 0 sends steps 17-20, fragment 1 19-20, fragment 2 13-20, fragment 3 15-20
+    assert [(r["fragment"], r["round"], r["launched_at"]) for r in sync.rows[9:]] == [
+        (0, 3, 20), (1, 4, 20), (2, 3, 20), (3, 3, 20)]
+    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), sync.global_params()))  # θ = φ
+    assert all(r["global_model_hash"] == sync.model_hash() for r in sync.rows[-1:])
+    sync.close()
+
+
+def test_outer_steps_match_an_independent_per_fragment_reference():
+    """C = 1, overlap none, uncompressed, outer Nesterov (lr 0.7, momentum 0.9): at fragment j's boundary its
+    tensors step torch.optim.SGD on δ_j and restart from φ_j; the rest of the model trains on. H = 6, F = 3,
+    26 steps (no final flush: ``train`` stops without finalize)."""
+    steps, h, f = 26, 6, 3
+    cfg = dict(h=h, fragments=f, overlap="none", lowrank=False, quant_bits=32, outer_lr=0.7, outer_momentum=0.9,
+               outer_lr_warmup_iters=0, adaptive_h=False)
+    _, params, _, _ = train(steps, cfg)
+
+    model = make_model(0)
+    opt = make_inner(model, "adam", 0.01)
+    tensors = list(model.parameters())
+    parts = split_fragments([p.numel() for p in tensors], f)
+    phi = [[torch.nn.Parameter(tensors[i].detach().clone()) for i in part] for part in parts]
+    outer = [torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True) for ps in phi]
+    for step in range(steps):
+        inner_step(model, opt, step)
+        for j, part in enumerate(parts):
+            if (step + 1) % h == round(j * h / f):  # fragment j's boundary: j·H/F steps into fragment 0's round
+                with torch.no_grad():
+                    for anchor, i in zip(phi[j], part):
+                        anchor.grad = anchor.detach() - tensors[i].detach()  # δ = φ − θ
+                    outer[j].step()
+                    for anchor, i in zip(phi[j], part):
+                        tensors[i].copy_(anchor)
+    assert all(torch.equal(got, want.detach()) for got, want in zip(params, tensors))  # bitwise
+
+
+@pytest.mark.parametrize("overlap,tau", [("none", None), ("one-step-delay", None), ("eager", 2)])
+def test_single_cluster_with_fragments_reproduces_plain_training(overlap, tau):
+    """C = 1, outer lr 1, no momentum: every fragment's round gives back θ, whatever lands when."""
+    plain_losses, plain_params, _, _ = train(24)
+    cfg = dict(h=8, fragments=4, overlap=overlap, lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0,
+               outer_lr_warmup_iters=0, adaptive_h=False, overlap_steps=tau)
+    losses, params, _, sync = train(24, cfg)
+    assert [f.round for f in sync.fragments] == [3, 3, 3, 3]
+    # as test_outer's C = 1 reduction: a few fp32 roundings of φ − (φ − θ) per round
+    assert max(abs(a - b) for a, b in zip(losses, plain_losses)) < 1e-6
+    assert max(float((a - b).abs().max()) for a, b in zip(params, plain_params)) < 1e-6
+
+
+@pytest.mark.parametrize("save_at", [5, 9, 10])
+def test_resume_with_fragments_in_flight_is_bitwise_identical(save_at):
+    """Saved while fragments' rounds are in flight (H = 8, F = 4, τ = 3, compressed, adaptive rank)."""
+    cfg = dict(h=8, fragments=4, overlap="eager", lowrank_rank=2, lowrank_min_dim=8, quant_bits=4,
+               quant_block_size=32, adaptive_h=False, adaptive_rank=True, lowrank_rank_max=4, overlap_steps=3)
+    full_losses, full_params, saved, _ = train(20, cfg, save_at=save_at)
+    resumed_losses, resumed_params, _, _ = train(20, cfg, load=copy.deepcopy(saved))
+    assert resumed_losses == full_losses[save_at:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed_params, full_params))
+
+
+def test_checkpoints_with_another_fragment_count_are_refused_naming_the_flag():
+    params = [p.data for p in make_model(0).parameters()]
+    one = make_sync(params, DiLoCoXConfig(h=4)).start()
+    two = make_sync(params, DiLoCoXConfig(h=4, fragments=2)).start()
+    with pytest.raises(ValueError, match=r"different settings: \['fragments'\]; .* --dilocox-fragments 1"):
+        two.load_state_dict(one.state_dict())
+    with pytest.raises(ValueError, match=r"different settings: \['fragments'\]; .* --dilocox-fragments 2"):
+        one.load_state_dict(two.state_dict())
