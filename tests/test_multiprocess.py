@@ -91,7 +91,7 @@ def test_two_clusters_two_fragments_agree_bitwise_and_bytes_are_each_fragments_c
     clusters, one all-gather of that fragment's int4 payload."""
     C, bits, block = 2, 4, 32
     res = run(C, steps=12, metrics_dir=str(tmp_path),
-              dilocox=spec(C, h=4, fragments=2, overlap="eager", lowrank=False, quant_bits=bits, quant_block_size=block))
+              dilocox=spec(C, h=4, fragments=2, overlap="one-step-delay", lowrank=False, quant_bits=bits, quant_block_size=block))
     assert_no_errors(res)
     rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
     schedule = [(r["fragment"], r["round"], r["launched_at"]) for r in rows0]

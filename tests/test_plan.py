@@ -96,10 +96,10 @@ def test_fragments_share_the_link_h_is_sized_to_f_transfers_and_tau_to_one():
     """--dilocox-fragments 4 (outer/streaming.py): this fragment's whole round takes 12.4 steps, and the link
     carries the 4 fragments' transfers in turn: H = ceil(4 x 12.4 x (1 + LINK_MARGIN)), τ = ceil(12.4 x
     (1 + TAU_MARGIN)); with H capped the rank cut is what the link carries in a quarter of the steps."""
-    sync = planner(h=10, h_max=200, fragments=4)
+    sync = planner(h=10, h_max=200, fragments=4, overlap="one-step-delay")
     h, rank, tau = plan.next_round(sync, landed(sync.codec, 12.4))
     assert (h, rank, tau) == (math.ceil(4 * 12.4 * (1 + LINK_MARGIN)), 0, math.ceil(12.4 * (1 + plan.TAU_MARGIN)))
-    sync = planner(h=10, h_max=60, fragments=4)
+    sync = planner(h=10, h_max=60, fragments=4, overlap="one-step-delay")
     result = landed(sync.codec, 12.4)
     h, rank, _ = plan.next_round(sync, result)
     expected = largest_rank_within(sync.codec, 10 / (1 + LINK_MARGIN) / 4 * STEP, result.peer_seconds_per_byte)

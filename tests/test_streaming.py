@@ -25,14 +25,16 @@ def test_split_is_contiguous_about_even_and_never_empty():
 def test_make_sync_picks_streaming_only_for_more_than_one_fragment():
     params = [p.data for p in make_model(0).parameters()]
     assert type(make_sync(params, DiLoCoXConfig(h=4))) is DiLoCoXSync
-    assert type(make_sync(params, DiLoCoXConfig(h=4, fragments=2))) is StreamingSync
+    assert type(make_sync(params, DiLoCoXConfig(h=4, fragments=2, overlap="none"))) is StreamingSync
 
 
 @pytest.mark.parametrize("bad,match", [
     (dict(h=4, fragments=0), r"--dilocox-fragments: must be >= 1"),
-    (dict(h=3, fragments=4), r"--dilocox-fragments: needs --dilocox-h and --dilocox-h-min >= 4.*H = 3, H min = 3"),
-    (dict(h=8, h_min=2, fragments=4), r"H = 8, H min = 2"),
-    (dict(h=8, fragments=2, on_peer_failure="continue"), r"needs --dilocox-on-peer-failure stop"),
+    (dict(h=8, fragments=2), r"--dilocox-fragments: needs --dilocox-overlap one-step-delay \(or none\): eager"),
+    (dict(h=3, fragments=4, overlap="none"),
+     r"--dilocox-fragments: needs --dilocox-h and --dilocox-h-min >= 4.*H = 3, H min = 3"),
+    (dict(h=8, h_min=2, fragments=4, overlap="one-step-delay"), r"H = 8, H min = 2"),
+    (dict(h=8, fragments=2, overlap="none", on_peer_failure="continue"), r"needs --dilocox-on-peer-failure stop"),
 ])
 def test_config_refuses_what_fragments_cannot_do(bad, match):
     with pytest.raises(DiLoCoXConfigError, match=match):
@@ -44,8 +46,8 @@ def test_boundaries_are_h_over_f_apart_and_the_end_sends_every_partial_round():
     lands 2 steps later; at the end (20 steps) every fragment sends the steps since its last boundary."""
     model = make_model(0)
     opt = make_inner(model, "adam", 0.01)
-    cfg = DiLoCoXConfig(h=8, fragments=4, overlap="eager", adaptive_h=False, lowrank=False, quant_bits=4,
-                        overlap_steps=2)
+    cfg = DiLoCoXConfig(h=8, fragments=4, overlap="one-step-delay", adaptive_h=False, lowrank=False,
+                        quant_bits=4, overlap_steps=2)
     sync = make_sync([p.data for p in model.parameters()], cfg).start()
     assert sync.parts == [range(i, i + 1) for i in range(4)]  # 512, 32, 256, 8 elements: one tensor each
     changed = []
@@ -93,7 +95,7 @@ def test_outer_steps_match_an_independent_per_fragment_reference():
     assert all(torch.equal(got, want.detach()) for got, want in zip(params, tensors))  # bitwise
 
 
-@pytest.mark.parametrize("overlap,tau", [("none", None), ("one-step-delay", None), ("eager", 2)])
+@pytest.mark.parametrize("overlap,tau", [("none", None), ("one-step-delay", None), ("one-step-delay", 2)])
 def test_single_cluster_with_fragments_reproduces_plain_training(overlap, tau):
     """C = 1, outer lr 1, no momentum: every fragment's round gives back θ, whatever lands when."""
     plain_losses, plain_params, _, _ = train(24)
@@ -109,7 +111,7 @@ def test_single_cluster_with_fragments_reproduces_plain_training(overlap, tau):
 @pytest.mark.parametrize("save_at", [5, 9, 10])
 def test_resume_with_fragments_in_flight_is_bitwise_identical(save_at):
     """Saved while fragments' rounds are in flight (H = 8, F = 4, τ = 3, compressed, adaptive rank)."""
-    cfg = dict(h=8, fragments=4, overlap="eager", lowrank_rank=2, lowrank_min_dim=8, quant_bits=4,
+    cfg = dict(h=8, fragments=4, overlap="one-step-delay", lowrank_rank=2, lowrank_min_dim=8, quant_bits=4,
                quant_block_size=32, adaptive_h=False, adaptive_rank=True, lowrank_rank_max=4, overlap_steps=3)
     full_losses, full_params, saved, _ = train(20, cfg, save_at=save_at)
     resumed_losses, resumed_params, _, _ = train(20, cfg, load=copy.deepcopy(saved))
@@ -119,8 +121,8 @@ def test_resume_with_fragments_in_flight_is_bitwise_identical(save_at):
 
 def test_checkpoints_with_another_fragment_count_are_refused_naming_the_flag():
     params = [p.data for p in make_model(0).parameters()]
-    one = make_sync(params, DiLoCoXConfig(h=4)).start()
-    two = make_sync(params, DiLoCoXConfig(h=4, fragments=2)).start()
+    two = make_sync(params, DiLoCoXConfig(h=4, fragments=2, overlap="one-step-delay")).start()
+    one = make_sync(params, DiLoCoXConfig(h=4, overlap="one-step-delay")).start()
     with pytest.raises(ValueError, match=r"different settings: \['fragments'\]; .* --dilocox-fragments 1"):
         two.load_state_dict(one.state_dict())
     with pytest.raises(ValueError, match=r"different settings: \['fragments'\]; .* --dilocox-fragments 2"):

@@ -154,13 +154,14 @@ def run_diloco(a, name, extra, h, flags, out):
     if any(codes):
         fail(f"{name} H={h}", codes, logs)
     rows = [r for c in range(CLUSTERS) for r in read_rows(os.path.join(mdir, f"metrics_c{c}.jsonl"))]
-    last = {}  # (round, cluster) -> row (a replayed round appears twice; keep the last)
+    last = {}  # (round, fragment, cluster) -> row (a replayed round appears twice; keep the last)
     for r in rows:
-        last[(r["round"], r["cluster"])] = r
-    rounds = sorted({rd for rd, _ in last})
-    per_round = [sum(r["bytes_sent"] for (rd, _), r in last.items() if rd == k) for k in rounds]
-    dense = [sum(r["bytes_dense_fp32"] for (rd, _), r in last.items() if rd == k) for k in rounds]
-    errors = [last[(k, 0)]["compression_rel_error"] for k in rounds if (k, 0) in last]
+        last[(r["round"], r.get("fragment", 0), r["cluster"])] = r
+    # round k: every fragment's k-th round (--dilocox-fragments: F rows per H steps)
+    rounds = sorted({rd for rd, _, _ in last})
+    per_round = [sum(r["bytes_sent"] for (rd, _, _), r in last.items() if rd == k) for k in rounds]
+    dense = [sum(r["bytes_dense_fp32"] for (rd, _, _), r in last.items() if rd == k) for k in rounds]
+    errors = [last[(k, 0, 0)]["compression_rel_error"] for k in rounds if (k, 0, 0) in last]
     valid = [validation(log) for log in logs]
     curve, final = valid[0]
     return dict(method=name, H=h, flags=dl[:-2], wall_seconds=round(wall, 1),
@@ -172,7 +173,7 @@ def run_diloco(a, name, extra, h, flags, out):
                 dense_fp32_per_round=sum(dense) / max(1, len(rounds)),
                 compression_rel_error_mean=sum(errors) / len(errors) if errors else None,
                 compression_rel_error_per_round=errors,
-                rank_per_round=[last[(k, 0)]["lowrank_rank"] for k in rounds if (k, 0) in last],
+                rank_per_round=[last[(k, 0, 0)]["lowrank_rank"] for k in rounds if (k, 0, 0) in last],
                 metrics_dir=mdir)
 
 

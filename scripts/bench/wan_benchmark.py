@@ -146,6 +146,8 @@ def main():
     ap.add_argument("--allreduce-steps", type=int, default=None, help="AllReduce steps timed on the shaped link")
     ap.add_argument("--skip", default="", help="comma-separated methods not to run, of diloco,diloco_comp (uncompressed "
                                                "DiLoCo needs ~110 s per round at ratio 325: long runs skip it)")
+    ap.add_argument("--dilocox-extra", default="", help="more flags for the dilocox method, e.g. "
+                                                         "'--dilocox-fragments 4 --dilocox-overlap one-step-delay'")
     ap.add_argument("--data", default=os.path.join(REPO, "data", "kjv"))
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "wan"))
     a = ap.parse_args()
@@ -187,7 +189,7 @@ def main():
             "diloco_comp": diloco_base + ["--dilocox-overlap", "none", "--dilocox-lowrank-rank", str(a.rank),
                                           "--dilocox-quant-bits", "4"],
             "dilocox": ["--dilocox-h", str(h), "--dilocox-lowrank-min-dim", "64", "--dilocox-lowrank-rank", str(a.rank),
-                        "--dilocox-quant-bits", "4"],
+                        "--dilocox-quant-bits", "4", *a.dilocox_extra.split()],
         }
         skip = {m for m in a.skip.split(",") if m}
         if skip - {"diloco", "diloco_comp"}:
@@ -196,7 +198,7 @@ def main():
             if name in skip:
                 continue
             logs, rows, wall = cluster_run(wan, name, per_cluster, dl, a.out)
-            rounds = max(r["round"] for r in rows)
+            rounds = max(r["round"] for r in rows)  # (with --dilocox-fragments: rounds of each fragment)
             results[name] = dict(
                 tokens_per_s=tokens_per_s(logs, tokens_per_iter),
                 tokens_per_s_with_ends=tokens_per_s(logs, tokens_per_iter, tail=0, window=False),
