@@ -110,12 +110,21 @@ def test_data_parallel_without_distributed_optimizer(corpus, tmp_path):
         assert 0 <= a["bytes_sent"] - b["bytes_sent"] <= 64 + 4 * (4 + 1)
 
 
-def test_interleaved_pipeline_schedule(corpus, tmp_path):
+def test_interleaved_pipeline_schedule_with_fragments(corpus, tmp_path):
+    """Virtual pipeline chunks (each rank's views from two model chunks), synced as two fragments per rank
+    (--dilocox-fragments 2, overlap none, H = 4): fragment 1's rounds end at 2, 6, 10, 14 and, at the end,
+    its last 2 steps; fragment 0's at 4, 8, 12, 16. Every row: the same whole-model hash on both clusters."""
     codes, logs = launch(2, 2, gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
                                          "--num-layers-per-virtual-pipeline-stage", "1"),
-                         dilocox_flags(tmp_path, "--dilocox-overlap", "none"))
+                         dilocox_flags(tmp_path, "--dilocox-overlap", "none", "--dilocox-fragments", "2"))
     assert_ok(codes, logs)
-    assert_clusters_agree(tmp_path, 2, ITERS // 4)
+    rows = [read_rows(f"{tmp_path}/metrics_c{c}.jsonl") for c in range(2)]
+    schedule = [(1, 1, 2), (0, 1, 4), (1, 2, 6), (0, 2, 8), (1, 3, 10), (0, 3, 12), (1, 4, 14), (0, 4, 16), (1, 5, 16)]
+    for c in range(2):
+        assert [(x["fragment"], x["round"], x["launched_at"]) for x in rows[c]] == schedule, c
+        assert all(set(ROUND_KEYS) <= set(x) and x["cluster"] == c and x["status"] == "applied" for x in rows[c])
+    assert [x["global_model_hash"] for x in rows[0]] == [x["global_model_hash"] for x in rows[1]]
+    assert len({x["global_model_hash"] for x in rows[0]}) == len(schedule)
     assert_loss_falls(logs[0], 1.0)
 
 

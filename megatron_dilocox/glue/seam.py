@@ -42,7 +42,7 @@ from megatron_dilocox.glue import checkpoints
 from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
-from megatron_dilocox.outer.streaming import make_sync
+from megatron_dilocox.outer.streaming import make_sync, split_fragments
 from megatron_dilocox.topology import InterClusterGroup, connect_store
 
 log = logging.getLogger("megatron_dilocox")
@@ -96,6 +96,7 @@ class DiLoCoXOptimizer:
             tagged = [t for t, (_, owner) in zip(tagged, self._dp_owner) if owner == me]
         views, self.view_kinds = [v for v, _ in tagged], [k for _, k in tagged]
         split_layout([v.shape for v in views], cfg)  # a rank the matrices cannot hold fails here, not after the rendezvous
+        split_fragments([v.numel() for v in views], cfg.fragments)  # (as must too few tensors for the fragments)
         rank = torch.distributed.get_rank()
         store = connect_store(cfg, host_store=(cfg.cluster_id == 0 and rank == 0)) if cfg.num_clusters > 1 else None
         group = (InterClusterGroup(cfg, rank, store, fingerprint(cfg, args, views),
@@ -196,7 +197,8 @@ class DiLoCoXOptimizer:
     def finalize(self):
         """End of training: apply the in-flight round so every cluster holds the same global model.
 
-        Progress since the last round boundary is not synced: make --train-iters a multiple of H."""
+        Progress since the last round boundary is not synced: make --train-iters a multiple of H (with
+        --dilocox-fragments, whose rounds end at different steps, each fragment's partial round is sent)."""
         with torch.no_grad():
             self.sync.finalize()
             self._refresh_model_params()

@@ -31,7 +31,8 @@ is trained on only until the real average is here. Under 0 a round that could la
 e.g. H = 1) lands at the boundary itself (τ = 0, synchronous) when its transfer takes under half a step.
 
 The background exchange runs in one worker thread; the caller keeps training while it runs. Only that
-thread uses the inter-cluster group and the codec's state until ``wait()`` returns it.
+thread uses the inter-cluster group and the codec's state until ``wait()`` returns it. With
+--dilocox-fragments F, outer/streaming.py runs F of these rounds over disjoint runs of tensors, staggered.
 """
 from __future__ import annotations
 
