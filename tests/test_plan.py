@@ -20,10 +20,11 @@ SHAPES = [torch.Size(s) for s in ((128, 128), (128, 128), (512, 128), (128, 512)
 STEP = 0.3  # seconds per inner step, as every cluster's header reports it
 
 
-def planner(h=10, tau=10, **cfg):
+def planner(h=10, tau=10, link_share=1.0, **cfg):
     config = DiLoCoXConfig(num_clusters=2, h=h, lowrank_rank=6, lowrank_min_dim=64, quant_bits=4, **cfg)
     codec = PseudoGradientCodec(SHAPES, config)
-    return SimpleNamespace(cfg=config, codec=codec, h=h, tau=tau, intra=SingleRank(), link_budget=True)
+    return SimpleNamespace(cfg=config, codec=codec, h=h, tau=tau, intra=SingleRank(), link_budget=True,
+                           link_share=link_share)
 
 
 def landed(codec, whole_steps, comm_steps=1.0):
@@ -92,15 +93,15 @@ def test_the_default_h_max_leaves_room_for_whole_rounds_on_the_ratio_325_link():
     assert (h, rank) == (115, 0) and sync.cfg.resolved_h_max == 200
 
 
-def test_fragments_share_the_link_h_is_sized_to_f_transfers_and_tau_to_one():
-    """--dilocox-fragments 4 (outer/streaming.py): this fragment's whole round takes 12.4 steps, and the link
-    carries the 4 fragments' transfers in turn: H = ceil(4 x 12.4 x (1 + LINK_MARGIN)), τ = ceil(12.4 x
-    (1 + TAU_MARGIN)); with H capped the rank cut is what the link carries in a quarter of the steps."""
-    sync = planner(h=10, h_max=200, fragments=4, overlap="one-step-delay")
+def test_a_fragment_sizes_h_to_the_whole_transfer_and_tau_to_its_own():
+    """A fragment (outer/streaming.py) holding a third of the whole bytes (link share 3): its whole round takes
+    12.4 steps, the link carries every fragment's in turn: H = ceil(3 x 12.4 x (1 + LINK_MARGIN)), τ =
+    ceil(12.4 x (1 + TAU_MARGIN)); with H capped, the rank cut is what the link carries in a third of the steps."""
+    sync = planner(h=10, h_max=200, link_share=3.0, fragments=4, overlap="one-step-delay")
     h, rank, tau = plan.next_round(sync, landed(sync.codec, 12.4))
-    assert (h, rank, tau) == (math.ceil(4 * 12.4 * (1 + LINK_MARGIN)), 0, math.ceil(12.4 * (1 + plan.TAU_MARGIN)))
-    sync = planner(h=10, h_max=60, fragments=4, overlap="one-step-delay")
+    assert (h, rank, tau) == (math.ceil(3 * 12.4 * (1 + LINK_MARGIN)), 0, math.ceil(12.4 * (1 + plan.TAU_MARGIN)))
+    sync = planner(h=10, h_max=60, link_share=3.0, fragments=4, overlap="one-step-delay")
     result = landed(sync.codec, 12.4)
     h, rank, _ = plan.next_round(sync, result)
-    expected = largest_rank_within(sync.codec, 10 / (1 + LINK_MARGIN) / 4 * STEP, result.peer_seconds_per_byte)
+    expected = largest_rank_within(sync.codec, 10 / (1 + LINK_MARGIN) / 3 * STEP, result.peer_seconds_per_byte)
     assert 0 < expected and (h, rank) == (10, expected)

@@ -67,6 +67,28 @@ def test_boundaries_are_h_over_f_apart_and_the_end_sends_every_partial_round():
     sync.close()
 
 
+def test_a_new_h_moves_the_offsets_and_no_fragment_ends_twice_in_a_round_of_fragment_0():
+    """H changes 8 → 16 → 8 (adaptive H changes it at fragment 0's landings). 16 at step 11: the offsets become
+    4, 8, 12; fragment 1 already ended at 10 (offset 2 then) and must not end again at 12. 8 at step 20:
+    fragment 0's round (from 8) is 12 steps long, so it ends at once, and fragment 3 (offset 12, not reached) is
+    deferred to the next round (one longer round, 6 → 26) rather than sent together with fragment 0."""
+    model = make_model(0)
+    opt = make_inner(model, "adam", 0.01)
+    cfg = DiLoCoXConfig(h=8, fragments=4, overlap="none", adaptive_h=False, lowrank=False, quant_bits=32)
+    sync = make_sync([p.data for p in model.parameters()], cfg).start()
+    ends = []
+    for step in range(48):
+        inner_step(model, opt, step)
+        if step + 1 in (11, 20):
+            sync.lead.h = 16 if step + 1 == 11 else 8
+        before = [f.round for f in sync.fragments]
+        sync.after_inner_step()
+        ends += [(j, step + 1) for j, f in enumerate(sync.fragments) if f.round > before[j]]
+    assert ends == [(1, 2), (2, 4), (3, 6), (0, 8), (1, 10), (2, 16), (0, 20), (1, 22), (2, 24), (3, 26), (0, 28),
+                    (1, 30), (2, 32), (3, 34), (0, 36), (1, 38), (2, 40), (3, 42), (0, 44), (1, 46), (2, 48)]
+    sync.close()
+
+
 def test_outer_steps_match_an_independent_per_fragment_reference():
     """C = 1, overlap none, uncompressed, outer Nesterov (lr 0.7, momentum 0.9): at fragment j's boundary its
     tensors step torch.optim.SGD on δ_j and restart from φ_j; the rest of the model trains on. H = 6, F = 3,

@@ -34,21 +34,22 @@ def initial_tau(cfg, h: int) -> int:
     return 1 if cfg.overlap_steps == 0 else fixed_tau(cfg, h)
 
 
-def link_steps(cfg) -> float:
+def link_steps(cfg, share: float = 1.0) -> float:
     """Link budget: the inner steps a round's transfer may take, a margin inside the steps it has to hide
-    in (τ when fixed, else the H you asked for); with F fragments each gets 1/F of them (they take turns)."""
-    return fixed_tau(cfg, cfg.resolved_h_min) / (1.0 + LINK_MARGIN) / cfg.fragments
+    in (τ when fixed, else the H you asked for); a fragment (streaming.py) gets 1/share of them, share = the
+    whole model's size over its own (the fragments' transfers take turns)."""
+    return fixed_tau(cfg, cfg.resolved_h_min) / (1.0 + LINK_MARGIN) / share
 
 
 def next_round(sync, result) -> tuple[int, int, int]:
     """(H, rank, τ) of the next round on this rank's cluster; ``result`` is the round that just landed.
 
-    With F fragments (streaming.py) the link carries F transfers per H: H is sized to F times this
-    fragment's transfer, τ to its own."""
+    A fragment (streaming.py) shares the link with the others' transfers: H is sized to its transfer times
+    ``sync.link_share`` (the whole model's size over its own), τ to its own transfer."""
     cfg = sync.cfg
     h = sync.h
     if cfg.adaptive_h:
-        h = adaptive.choose_h(result.peer_comm_seconds * cfg.fragments, result.peer_step_seconds, sync.h,
+        h = adaptive.choose_h(result.peer_comm_seconds * sync.link_share, result.peer_step_seconds, sync.h,
                               cfg.adaptive_h_margin, cfg.resolved_h_min, cfg.resolved_h_max)
     tau = fixed_tau(cfg, h)
     if cfg.overlap_steps == 0:  # as short as the measured transfer allows
@@ -65,7 +66,7 @@ def next_round(sync, result) -> tuple[int, int, int]:
                 h, tau = whole
             rank = 0
         else:  # the rank (0: whole) the link carries in the steps the round has to hide in
-            rank = sync.codec.link_rank(link_steps(cfg) * result.peer_step_seconds,
+            rank = sync.codec.link_rank(link_steps(cfg, sync.link_share) * result.peer_step_seconds,
                                         result.peer_seconds_per_byte, result.num_clusters)
     h, rank, tau = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget)
     return h, rank, min(tau, h)
@@ -88,7 +89,7 @@ def whole_round(sync, result) -> Optional[tuple[int, int]]:
     if not (cfg.adaptive_h and cfg.overlap_steps == 0):
         return None  # a fixed τ must hide the transfer in τ steps, however long the round
     seconds = sync.codec.round_bytes(0, result.num_clusters) * result.peer_seconds_per_byte
-    h = adaptive.steps_to_hide(seconds * cfg.fragments, result.peer_step_seconds, LINK_MARGIN)
+    h = adaptive.steps_to_hide(seconds * sync.link_share, result.peer_step_seconds, LINK_MARGIN)
     if h > cfg.resolved_h_max:
         return None
     return h, min(h, adaptive.steps_to_hide(seconds, result.peer_step_seconds, TAU_MARGIN))

@@ -10,9 +10,9 @@ and the next round trains on the stand-in for all of it (main job's GPT, 1000 it
 whole: τ = H +4.76% vs AllReduce, landing a few steps in +3.30%). Split in F, each transfer is 1/F as long
 for the same bytes per inner step, so each fragment lands about H/F steps after it leaves.
 
-Fragment 0 leads: its plan (plan.py, sized for F transfers per round) sets H; fragment j ends its round when
-fragment 0 is round(j·H/F) steps into its own, so the boundaries stay H/F apart when H changes. Each fragment
-keeps its own τ and rank. At the end each fragment's partial round (the steps since its boundary) is sent, so
+Fragment 0 leads: its plan (plan.py, H sized to the whole model's transfer: its own times the whole size
+over its size) sets H; fragment j ends its round once per round of fragment 0, when that is round(j·H/F)
+steps in, so the boundaries stay H/F apart when H changes. Each fragment keeps its own τ and rank. At the end each fragment's partial round (the steps since its boundary) is sent, so
 the global model holds every step, as one unfragmented round at a multiple of H does.
 Not supported: a cluster rejoining a run in progress (--dilocox-on-peer-failure continue): refused by the config.
 """
@@ -67,6 +67,11 @@ class StreamingSync:
         for f in self.fragments:
             f.rows, f.exchange_spans = self.rows, self.exchange_spans
         self.lead = self.fragments[0]
+        # the link carries every fragment's transfer per H: each sizes its H to the whole model's, i.e. to its own
+        # times the whole size over its size (elements: what a round sent whole is proportional to)
+        sizes = [sum(self.params[i].numel() for i in part) for part in self.parts]
+        for f, n in zip(self.fragments, sizes):
+            f.link_share = sum(sizes) / n
         self.outer_device, self.delayed = self.lead.outer_device, self.lead.delayed
         self.joined_midrun = False
 
@@ -84,8 +89,13 @@ class StreamingSync:
 
     def after_inner_step(self) -> bool:
         changed = self.lead.after_inner_step()
+        into = self.lead.steps_in_round  # steps into fragment 0's round, this one included
         for j, f in enumerate(self.fragments[1:], 1):
-            changed |= f.after_inner_step(boundary_due=self.lead.steps_in_round == self.offset(j))
+            # once per round of fragment 0: at its offset, or at once if a new H moved the offset behind us
+            # (f's last boundary came after fragment 0's iff f.steps_in_round, this step not yet counted, is
+            # below into − 1)
+            due = into >= self.offset(j) and f.steps_in_round >= into - 1
+            changed |= f.after_inner_step(boundary_due=due)
         return changed
 
     @torch.no_grad()

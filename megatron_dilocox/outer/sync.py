@@ -71,6 +71,7 @@ class DiLoCoXSync:
         whose rounds share its one exchange thread and whose rows hash the whole global model."""
         self.cfg = config.validate()
         self.fragment, self._hash_of, self._owns_executor = fragment, hash_of, executor is None
+        self.link_share = 1.0  # (a fragment: the whole model's size over its own; set by StreamingSync)
         self.train_iters = train_iters  # the run's length, if known: sets the default outer-lr warm-up
         self.params = list(params)
         self.group = group or SoloCollective()
@@ -279,7 +280,7 @@ class DiLoCoXSync:
         t0, wall0 = time.perf_counter(), time.time()
         # round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
         # header every cluster shares (no landing has run _adapt yet)
-        first_link_steps = plan.link_steps(self.cfg) if self.link_budget and round_idx == 1 else 0.0
+        first_link_steps = plan.link_steps(self.cfg, self.link_share) if self.link_budget and round_idx == 1 else 0.0
         while True:
             snapshot = self.codec.snapshot()
             attempt_start = time.perf_counter()
