@@ -8,4 +8,4 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v slur
   apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1 \
     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; }
 fi
-exec .venv/bin/python -m pytest -q tests "$@"
+exec .venv/bin/python -m pytest -q --durations=20 tests "$@"
