@@ -109,10 +109,10 @@ class DiLoCoXOptimizer:
         with torch.no_grad():
             self.sync.start()  # every cluster starts from cluster 0's model
             self._refresh_model_params()
+        layout = self.layout(rank)
         log.info("DiLoCoX on: cluster %d of %d, %d tensors (%d low-rank groups) on this rank, H=%d, overlap=%s",
-                 cfg.cluster_id, cfg.num_clusters, len(views), len(self.layout(rank)["lowrank_groups"]), cfg.h,
-                 cfg.overlap)
-        log.info("DiLoCoX layout %s", json.dumps(self.layout(rank)))
+                 cfg.cluster_id, cfg.num_clusters, len(views), len(layout["lowrank_groups"]), cfg.h, cfg.overlap)
+        log.info("DiLoCoX layout %s", json.dumps(layout))
 
     def layout(self, rank: int) -> dict:
         """What this rank syncs (elements by kind, low-rank groups, elements sent whole) and the codec's

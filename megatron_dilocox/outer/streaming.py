@@ -12,8 +12,9 @@ for the same bytes per inner step, so each fragment lands about H/F steps after 
 
 Fragment 0 leads: its plan (plan.py, H sized to the whole model's transfer: its own times the whole size
 over its size) sets H; fragment j ends its round once per round of fragment 0, when that is round(j·H/F)
-steps in, so the boundaries stay H/F apart when H changes. Each fragment keeps its own τ and rank. At the end each fragment's partial round (the steps since its boundary) is sent, so
-the global model holds every step, as one unfragmented round at a multiple of H does.
+steps in, so the boundaries stay H/F apart when H changes. Each fragment keeps its own τ and rank. At the end
+each fragment's partial round (the steps since its boundary) is sent, so the global model holds every step, as
+one unfragmented round at a multiple of H does.
 Not supported: a cluster rejoining a run in progress (--dilocox-on-peer-failure continue): refused by the config.
 """
 from __future__ import annotations
