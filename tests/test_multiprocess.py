@@ -85,8 +85,8 @@ def test_two_clusters_one_bit_whole_agree_bitwise_and_bytes_are_the_closed_form(
 
 
 def test_two_clusters_two_fragments_agree_bitwise_and_bytes_are_each_fragments_closed_form(tmp_path):
-    """--dilocox-fragments 2 across real processes (outer/streaming.py): the test network's tensors (512, 32,
-    256, 8 elements) split as [512] and [32, 256, 8]; H = 4, so fragment 1's rounds end at 2, 6, 10 and fragment
+    """--dilocox-fragments 2 across real processes (outer/streaming.py): the test network's tensors (32 x 16, 32,
+    8 x 32, 8) split at row 25 of the first (400 and 408 elements); H = 4, so fragment 1's rounds end at 2, 6, 10 and fragment
     0's at 4, 8, 12; the end sends fragment 1's last 2 steps. Every row: the same whole-model hash on both
     clusters, one all-gather of that fragment's int4 payload."""
     C, bits, block = 2, 4, 32
@@ -99,7 +99,7 @@ def test_two_clusters_two_fragments_agree_bitwise_and_bytes_are_each_fragments_c
     # then fragment 1's, then sends and applies fragment 1's partial one)
     assert schedule == [(1, 1, 2), (0, 1, 4), (1, 2, 6), (0, 2, 8), (0, 3, 12), (1, 3, 10), (1, 4, 12)]
     assert schedule == [(r["fragment"], r["round"], r["launched_at"]) for r in rows1]
-    numel = {0: IN * HIDDEN, 1: HIDDEN + HIDDEN * OUT + OUT}
+    numel = {0: 25 * IN, 1: 7 * IN + HIDDEN + HIDDEN * OUT + OUT}
     for a, b in zip(rows0, rows1):
         assert a["status"] == "applied" and a["global_model_hash"] == b["global_model_hash"]
         assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload_bytes(numel[a["fragment"]], bits, block))

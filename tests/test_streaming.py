@@ -12,14 +12,31 @@ from tests.test_outer import inner_step, train
 from tests.workers import make_inner, make_model
 
 
-def test_split_is_contiguous_about_even_and_never_empty():
-    assert split_fragments([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
-    assert split_fragments([10, 10, 10, 10], 4) == [range(i, i + 1) for i in range(4)]
-    assert split_fragments([1, 1, 1, 97], 2) == [range(0, 3), range(3, 4)]  # the cut waits for half the elements
-    assert split_fragments([100, 1, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 4)]  # one cut per tensor
-    assert split_fragments([5, 5, 5, 5, 5, 5], 3) == [range(0, 2), range(2, 4), range(4, 6)]
-    with pytest.raises(ValueError, match=r"holds only 2 tensors.*--dilocox-fragments 2 or fewer"):
-        split_fragments([3, 3], 3)
+def test_split_cuts_at_the_row_nearest_each_share_and_never_leaves_a_fragment_empty():
+    s = [torch.Size(x) for x in ((32, 16), (32,), (8, 32), (8,))]  # 512, 32, 256, 8 elements
+    assert split_fragments(s, 1) == [[(0, 0, 32), (1, 0, 32), (2, 0, 8), (3, 0, 8)]]
+    assert split_fragments(s, 2) == [[(0, 0, 25)], [(0, 25, 32), (1, 0, 32), (2, 0, 8), (3, 0, 8)]]  # 404: 25.25 rows
+    # 202 → row 13 of tensor 0 (12.6), 404 → row 25, 606 → row 2 of tensor 2 (1.94 rows of 32 past 544)
+    assert split_fragments(s, 4) == [[(0, 0, 13)], [(0, 13, 25)], [(0, 25, 32), (1, 0, 32), (2, 0, 2)],
+                                     [(2, 2, 8), (3, 0, 8)]]
+    assert split_fragments([torch.Size((4, 2))] * 2, 4) == [[(0, 0, 2)], [(0, 2, 4)], [(1, 0, 2)], [(1, 2, 4)]]
+    assert split_fragments([torch.Size((3,)), torch.Size((1, 2))], 3) == [[(0, 0, 2)], [(0, 2, 3)], [(1, 0, 1)]]
+    assert split_fragments([torch.Size(()), torch.Size((0, 4)), torch.Size((3,))], 2) == [  # 0-d; empty kept
+        [(0, 0, 1), (1, 0, 0), (2, 0, 1)], [(2, 1, 3)]]  # 2 of 4: the empty one lies where the first ends
+    with pytest.raises(ValueError, match=r"too few rows \(2 in all\) to cut into 3 non-empty fragments"):
+        split_fragments([torch.Size((1, 50)), torch.Size((1, 50))], 3)
+
+
+def test_fragments_are_views_of_the_parameters_and_their_sizes_differ_by_at_most_a_row():
+    params = [p.data for p in make_model(0).parameters()]
+    sync = StreamingSync(params, DiLoCoXConfig(h=8, fragments=4, overlap="none"))
+    sizes = [sum(p.numel() for p in f.params) for f in sync.fragments]
+    assert sizes == [13 * 16, 12 * 16, 7 * 16 + 32 + 2 * 32, 6 * 32 + 8] and max(sizes) - min(sizes) <= 32
+    params[0][20, 3] = 7.0
+    assert sync.fragments[1].params[0][7, 3] == 7.0  # row 20 = row 7 of fragment 1's piece (rows 13-25)
+    assert [f.link_share for f in sync.fragments] == [808 / n for n in sizes]
+    assert [f.leader for f in sync.fragments] == [None] + [sync.lead] * 3
+    sync.close()
 
 
 def test_make_sync_picks_streaming_only_for_more_than_one_fragment():
@@ -49,7 +66,6 @@ def test_boundaries_are_h_over_f_apart_and_the_end_sends_every_partial_round():
     cfg = DiLoCoXConfig(h=8, fragments=4, overlap="one-step-delay", adaptive_h=False, lowrank=False,
                         quant_bits=4, overlap_steps=2)
     sync = make_sync([p.data for p in model.parameters()], cfg).start()
-    assert sync.parts == [range(i, i + 1) for i in range(4)]  # 512, 32, 256, 8 elements: one tensor each
     changed = []
     for step in range(20):
         inner_step(model, opt, step)
@@ -101,19 +117,20 @@ def test_outer_steps_match_an_independent_per_fragment_reference():
     model = make_model(0)
     opt = make_inner(model, "adam", 0.01)
     tensors = list(model.parameters())
-    parts = split_fragments([p.numel() for p in tensors], f)
-    phi = [[torch.nn.Parameter(tensors[i].detach().clone()) for i in part] for part in parts]
+    pieces = [[t.detach()[a:b] for i, a, b in frag for t in [tensors[i]]]
+              for frag in split_fragments([t.shape for t in tensors], f)]  # rows a..b of tensor i
+    phi = [[torch.nn.Parameter(v.clone()) for v in views] for views in pieces]
     outer = [torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True) for ps in phi]
     for step in range(steps):
         inner_step(model, opt, step)
-        for j, part in enumerate(parts):
+        for j, views in enumerate(pieces):
             if (step + 1) % h == round(j * h / f):  # fragment j's boundary: j·H/F steps into fragment 0's round
                 with torch.no_grad():
-                    for anchor, i in zip(phi[j], part):
-                        anchor.grad = anchor.detach() - tensors[i].detach()  # δ = φ − θ
+                    for anchor, v in zip(phi[j], views):
+                        anchor.grad = anchor.detach() - v  # δ = φ − θ
                     outer[j].step()
-                    for anchor, i in zip(phi[j], part):
-                        tensors[i].copy_(anchor)
+                    for anchor, v in zip(phi[j], views):
+                        v.copy_(anchor)
     assert all(torch.equal(got, want.detach()) for got, want in zip(params, tensors))  # bitwise
 
 

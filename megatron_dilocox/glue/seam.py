@@ -96,7 +96,7 @@ class DiLoCoXOptimizer:
             tagged = [t for t, (_, owner) in zip(tagged, self._dp_owner) if owner == me]
         views, self.view_kinds = [v for v, _ in tagged], [k for _, k in tagged]
         split_layout([v.shape for v in views], cfg)  # a rank the matrices cannot hold fails here, not after the rendezvous
-        split_fragments([v.numel() for v in views], cfg.fragments)  # (as must too few tensors for the fragments)
+        split_fragments([v.shape for v in views], cfg.fragments)  # (as must too few rows for the fragments)
         rank = torch.distributed.get_rank()
         store = connect_store(cfg, host_store=(cfg.cluster_id == 0 and rank == 0)) if cfg.num_clusters > 1 else None
         group = (InterClusterGroup(cfg, rank, store, fingerprint(cfg, args, views),

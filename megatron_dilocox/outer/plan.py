@@ -45,9 +45,14 @@ def next_round(sync, result) -> tuple[int, int, int]:
     """(H, rank, τ) of the next round on this rank's cluster; ``result`` is the round that just landed.
 
     A fragment (streaming.py) shares the link with the others' transfers: H is sized to its transfer times
-    ``sync.link_share`` (the whole model's size over its own), τ to its own transfer."""
+    ``sync.link_share`` (the whole model's size over its own), τ to its own transfer. Fragments 1.. take
+    fragment 0's H, and send whole when it does: their own plans, from their own noisy transfers, let one
+    fragment want an H above --dilocox-h-max and cut its rank to 1-2 while the others went whole (real
+    ratio-325 link: four rounds of one fragment at compression error 0.92-0.96)."""
     cfg = sync.cfg
     h = sync.h
+    if sync.leader is not None:
+        return follow(sync, result)
     if cfg.adaptive_h:
         h = adaptive.choose_h(result.peer_comm_seconds * sync.link_share, result.peer_step_seconds, sync.h,
                               cfg.adaptive_h_margin, cfg.resolved_h_min, cfg.resolved_h_max)
@@ -66,6 +71,25 @@ def next_round(sync, result) -> tuple[int, int, int]:
                 h, tau = whole
             rank = 0
         else:  # the rank (0: whole) the link carries in the steps the round has to hide in
+            rank = sync.codec.link_rank(link_steps(cfg, sync.link_share) * result.peer_step_seconds,
+                                        result.peer_seconds_per_byte, result.num_clusters)
+    h, rank, tau = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget)
+    return h, rank, min(tau, h)
+
+
+def follow(sync, result) -> tuple[int, int, int]:
+    """(H, rank, τ) of a fragment after the first (see next_round): fragment 0's H; whole when fragment 0's
+    rounds go whole, else the rank the link carries in its share of the budget; τ from its own transfer."""
+    cfg, lead = sync.cfg, sync.leader
+    h = lead.h
+    tau = fixed_tau(cfg, h)
+    if cfg.overlap_steps == 0:
+        tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, sync.tau, TAU_MARGIN, 1, h)
+    rank = result.next_rank
+    if sync.link_budget:
+        rank = 0
+        if lead.codec.rank != 0 and sync.codec.groups and result.peer_seconds_per_byte > 0 \
+                and result.peer_step_seconds > 0:
             rank = sync.codec.link_rank(link_steps(cfg, sync.link_share) * result.peer_step_seconds,
                                         result.peer_seconds_per_byte, result.num_clusters)
     h, rank, tau = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget)

@@ -20,6 +20,7 @@ Not supported: a cluster rejoining a run in progress (--dilocox-on-peer-failure 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -32,20 +33,49 @@ from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.sync import DiLoCoXSync
 
 
-def split_fragments(numels: Sequence[int], count: int) -> list[range]:
-    """``count`` contiguous, non-empty runs of tensor indices; run j ends at the first tensor where the running
-    element count reaches (j + 1)/count of the total (so the runs are as even as whole tensors allow)."""
-    if count > len(numels):
-        raise ValueError(f"--dilocox-fragments {count}: this rank holds only {len(numels)} tensors; every rank "
-                         f"needs at least one per fragment (use --dilocox-fragments {len(numels)} or fewer)")
-    total, cuts, running = sum(numels), [], 0
-    for i, n in enumerate(numels):
-        running += n
-        left_tensors, left_cuts = len(numels) - i - 1, count - 1 - len(cuts)
-        if left_cuts and (running * count >= (len(cuts) + 1) * total or left_tensors == left_cuts):
-            cuts.append(i + 1)
-    bounds = [0] + cuts + [len(numels)]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+Piece = tuple[int, int, int]  # (tensor index, first row, end row): rows along dim 0 (a 0-d tensor: its one value)
+
+
+def split_fragments(shapes: Sequence[Sequence[int]], count: int) -> list[list[Piece]]:
+    """``count`` fragments of about equal size: this rank's tensors laid end to end in their order, cut at the
+    row boundary (dim 0) nearest to each j/count of the elements, so a fragment holds whole tensors and at
+    most two row ranges of split ones, and sizes differ by at most a row. Why rows, not whole tensors: at
+    PP stage 0 the embedding alone is ~40% of the elements (main job's GPT), so whole-tensor fragments left it
+    one fragment twice the others' size, whose transfer landed 36-63 steps late on the ratio-325 link."""
+    rows = [s[0] if len(s) else 1 for s in shapes]
+    numels = [int(math.prod(s)) for s in shapes]
+    starts = [0]
+    for n in numels:
+        starts.append(starts[-1] + n)
+    total = starts[-1]
+    cuts = [0]
+    for j in range(1, count):  # the row boundary nearest to j/count of the elements (ties: the earlier one)
+        i = next(i for i in range(len(shapes)) if numels[i] and starts[i + 1] * count >= j * total)
+        row = numels[i] // rows[i]
+        num, den = j * total - starts[i] * count, row * count  # the target is num/den rows into tensor i
+        cuts.append(starts[i] + row * ((2 * num + den - 1) // (2 * den)))
+    cuts.append(total)
+    if any(a >= b for a, b in zip(cuts, cuts[1:])):
+        raise ValueError(f"--dilocox-fragments {count}: this rank's tensors have too few rows ({sum(rows)} "
+                         f"in all) to cut into {count} non-empty fragments; use fewer fragments")
+    fragments: list[list[Piece]] = [[] for _ in range(count)]
+    for i, (st, n, k) in enumerate(zip(starts, numels, rows)):
+        if n == 0:  # nothing to sync; kept whole in the fragment its position falls in
+            fragments[max(j for j in range(count) if cuts[j] <= st or j == 0)].append((i, 0, k))
+            continue
+        row = n // k
+        for j in range(count):
+            a, b = max(cuts[j], st), min(cuts[j + 1], st + n)
+            if a < b:
+                fragments[j].append((i, (a - st) // row, (b - st) // row))
+    return fragments
+
+
+def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The tensor itself when the piece is all of it, else a view of its rows (shares its storage)."""
+    _, a, b = piece
+    whole = tensor.dim() == 0 or (a == 0 and b == tensor.shape[0])
+    return tensor if whole else tensor[a:b]
 
 
 class StreamingSync:
@@ -57,22 +87,24 @@ class StreamingSync:
         self.cfg = config.validate()
         self.params = list(params)
         self.group = group or SoloCollective()
-        self.parts = split_fragments([p.numel() for p in self.params], config.fragments)
+        self.pieces = split_fragments([p.shape for p in self.params], config.fragments)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
-        self.fragments = [DiLoCoXSync([self.params[i] for i in part], config, self.group, intra or SingleRank(),
-                                      metrics, train_iters, executor=self._executor, fragment=j,
-                                      hash_of=self.model_hash)
-                          for j, part in enumerate(self.parts)]
+        self.fragments = [DiLoCoXSync([piece_view(self.params[pc[0]], pc) for pc in pieces], config, self.group,
+                                      intra or SingleRank(), metrics, train_iters, executor=self._executor,
+                                      fragment=j, hash_of=self.model_hash)
+                          for j, pieces in enumerate(self.pieces)]
         self.rows: list[dict] = []  # every fragment's rows, in the order they were written
         self.exchange_spans: list[tuple[float, float]] = []  # every fragment's (start, end) wall clock
         for f in self.fragments:
             f.rows, f.exchange_spans = self.rows, self.exchange_spans
         self.lead = self.fragments[0]
         # the link carries every fragment's transfer per H: each sizes its H to the whole model's, i.e. to its own
-        # times the whole size over its size (elements: what a round sent whole is proportional to)
-        sizes = [sum(self.params[i].numel() for i in part) for part in self.parts]
+        # times the whole size over its size (elements: what a round sent whole is proportional to); fragments
+        # 1.. follow fragment 0's plan (plan.py: its H, and whole when it sends whole)
+        sizes = [sum(p.numel() for p in f.params) for f in self.fragments]
         for f, n in zip(self.fragments, sizes):
             f.link_share = sum(sizes) / n
+            f.leader = None if f is self.lead else self.lead
         self.outer_device, self.delayed = self.lead.outer_device, self.lead.delayed
         self.joined_midrun = False
 
@@ -116,10 +148,15 @@ class StreamingSync:
     # -------------------------------------------------------------------------------- as DiLoCoXSync
     @property
     def anchor(self) -> list[torch.Tensor]:
-        return [a for f in self.fragments for a in f.anchor]
+        """φ in the order and shapes of ``self.params``: a split tensor's row ranges joined (a copy; read only)."""
+        by_tensor: list[list[torch.Tensor]] = [[] for _ in self.params]
+        for f, pieces in zip(self.fragments, self.pieces):
+            for (i, _, _), a in zip(pieces, f.anchor):
+                by_tensor[i].append(a)
+        return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in by_tensor]
 
     def global_params(self) -> list[torch.Tensor]:
-        """φ in the order of ``self.params`` (each fragment's anchor; read only)."""
+        """φ in the order of ``self.params`` (read only)."""
         return self.anchor
 
     def model_hash(self) -> str:

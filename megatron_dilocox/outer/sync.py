@@ -72,6 +72,7 @@ class DiLoCoXSync:
         self.cfg = config.validate()
         self.fragment, self._hash_of, self._owns_executor = fragment, hash_of, executor is None
         self.link_share = 1.0  # (a fragment: the whole model's size over its own; set by StreamingSync)
+        self.leader: Optional[DiLoCoXSync] = None  # (fragments 1..: fragment 0, whose plan they follow)
         self.train_iters = train_iters  # the run's length, if known: sets the default outer-lr warm-up
         self.params = list(params)
         self.group = group or SoloCollective()
