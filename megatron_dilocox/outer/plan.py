@@ -56,11 +56,7 @@ def next_round(sync, result) -> tuple[int, int, int]:
     if cfg.adaptive_h:
         h = adaptive.choose_h(result.peer_comm_seconds * sync.link_share, result.peer_step_seconds, sync.h,
                               cfg.adaptive_h_margin, cfg.resolved_h_min, cfg.resolved_h_max)
-    tau = fixed_tau(cfg, h)
-    if cfg.overlap_steps == 0:  # as short as the measured transfer allows
-        tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, sync.tau, TAU_MARGIN, 1, h)
-        if tau >= h and 0 < result.peer_comm_seconds <= SYNC_LANDING_STEPS * result.peer_step_seconds:
-            tau = 0  # land at the boundary: a stale whole round costs more than this wait
+    tau = landing_step(sync, result, h)
     rank = result.next_rank
     if sync.link_budget and not sync.codec.groups:
         rank = 0  # nothing low-rank on this rank: whole, i.e. no say in the cluster's choice below
@@ -77,14 +73,22 @@ def next_round(sync, result) -> tuple[int, int, int]:
     return h, rank, min(tau, h)
 
 
+def landing_step(sync, result, h: int) -> int:
+    """τ for a round of length H: fixed, or (adaptive) as short as the measured transfer allows."""
+    if sync.cfg.overlap_steps != 0:
+        return fixed_tau(sync.cfg, h)
+    tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, sync.tau, TAU_MARGIN, 1, h)
+    if tau >= h and 0 < result.peer_comm_seconds <= SYNC_LANDING_STEPS * result.peer_step_seconds:
+        tau = 0  # land at the boundary: a stale whole round costs more than this wait
+    return tau
+
+
 def follow(sync, result) -> tuple[int, int, int]:
     """(H, rank, τ) of a fragment after the first (see next_round): fragment 0's H; whole when fragment 0's
     rounds go whole, else the rank the link carries in its share of the budget; τ from its own transfer."""
     cfg, lead = sync.cfg, sync.leader
     h = lead.h
-    tau = fixed_tau(cfg, h)
-    if cfg.overlap_steps == 0:
-        tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, sync.tau, TAU_MARGIN, 1, h)
+    tau = landing_step(sync, result, h)
     rank = result.next_rank
     if sync.link_budget:
         rank = 0

@@ -1,6 +1,7 @@
 """Streaming DiLoCo (Douillard et al., 2025, arXiv 2501.18512): the model synced as F fragments.
 
-    fragments:  F contiguous runs of this rank's tensors, about 1/F of its elements each
+    fragments:  this rank's tensors end to end, cut into F runs at the rows nearest each 1/F of the elements
+                (a long tensor such as the embedding is split by rows: views of the parameter)
     fragment j: a DiLoCoX round of its own (sync.py: δ, codec with its own error feedback, Outer, τ), whose
                 boundaries fall j·H/F inner steps after fragment 0's
     link:       one exchange thread: the transfers take turns, in the same order on every cluster
@@ -12,7 +13,8 @@ for the same bytes per inner step, so each fragment lands about H/F steps after 
 
 Fragment 0 leads: its plan (plan.py, H sized to the whole model's transfer: its own times the whole size
 over its size) sets H; fragment j ends its round once per round of fragment 0, when that is round(j·H/F)
-steps in, so the boundaries stay H/F apart when H changes. Each fragment keeps its own τ and rank. At the end
+steps in, so the boundaries stay H/F apart when H changes. The others take fragment 0's H and send whole when
+it does (plan.follow); each keeps its own τ, and its own rank when fragment 0's is cut. At the end
 each fragment's partial round (the steps since its boundary) is sent, so the global model holds every step, as
 one unfragmented round at a multiple of H does.
 Not supported: a cluster rejoining a run in progress (--dilocox-on-peer-failure continue): refused by the config.
