@@ -36,6 +36,7 @@ def test_fragments_are_views_of_the_parameters_and_their_sizes_differ_by_at_most
     assert sync.fragments[1].params[0][7, 3] == 7.0  # row 20 = row 7 of fragment 1's piece (rows 13-25)
     assert [f.link_share for f in sync.fragments] == [808 / n for n in sizes]
     assert [f.leader for f in sync.fragments] == [None] + [sync.lead] * 3
+    assert all(f.link is sync.lead.link for f in sync.fragments)  # one link, one measured rate
     sync.close()
 
 

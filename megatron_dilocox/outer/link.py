@@ -20,6 +20,21 @@ PROBE_BYTES = 1 << 18
 WHOLE_LEVEL = float(1 << 30)
 
 
+class LinkRate:
+    """The inter-cluster link's measured seconds per byte (0: not yet measured), smoothed over the payloads
+    sent: one per DiLoCoXSync, or one shared by every fragment (streaming.py), whose transfers cross the same
+    link: each landing then refines the estimate every fragment plans from. Shared, fragment 0 had planned
+    from the start-up probe alone (6x optimistic on the ratio-325 link) for two of its rounds, and its H took
+    three rounds (10 -> 16 -> 28 -> 79) to reach what the link needs, each round's transfers waited for."""
+
+    def __init__(self, seconds_per_byte: float = 0.0):
+        self.seconds_per_byte = seconds_per_byte
+
+    def update(self, rate: float):
+        """One transfer's rate, averaged in with weight 1/2, so that one slow transfer does not swing H alone."""
+        self.seconds_per_byte = rate if self.seconds_per_byte == 0 else 0.5 * self.seconds_per_byte + 0.5 * rate
+
+
 def probe_link(group, whole_payload_bytes: int) -> float:
     """Seconds per byte of the inter-cluster link (0: nothing to measure), agreed: the slowest cluster's figure,
     so that every cluster sizes rounds 1 and 2 alike. Without it they went at the initial rank before anything

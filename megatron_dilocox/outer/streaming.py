@@ -4,7 +4,8 @@
                 (a long tensor such as the embedding is split by rows: views of the parameter)
     fragment j: a DiLoCoX round of its own (sync.py: δ, codec with its own error feedback, Outer, τ), whose
                 boundaries fall j·H/F inner steps after fragment 0's
-    link:       one exchange thread: the transfers take turns, in the same order on every cluster
+    link:       one exchange thread: the transfers take turns, in the same order on every cluster; one
+                measured rate (link.LinkRate), refined by every fragment's landing
 
 Why: on a slow link a whole round's transfer fills most of the round, so it lands τ ≈ H steps after it leaves
 and the next round trains on the stand-in for all of it (main job's GPT, 1000 iterations, KJV, H = 100, int4
@@ -107,6 +108,7 @@ class StreamingSync:
         for f, n in zip(self.fragments, sizes):
             f.link_share = sum(sizes) / n
             f.leader = None if f is self.lead else self.lead
+            f.link = self.lead.link  # one link: every landing refines the rate all fragments plan from
         self.outer_device, self.delayed = self.lead.outer_device, self.lead.delayed
         self.joined_midrun = False
 

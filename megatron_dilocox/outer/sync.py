@@ -50,7 +50,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer import handover, plan, report, resume
-from megatron_dilocox.outer.link import probe_link
+from megatron_dilocox.outer.link import LinkRate, probe_link
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
 
@@ -96,7 +96,7 @@ class DiLoCoXSync:
         self.round_start: list[torch.Tensor] = []
         self.outer: Optional[OuterNesterov] = None
         self.comm_seconds_prev = 0.0
-        self.seconds_per_byte_prev = 0.0  # the link's measured rate (smoothed), for --dilocox-link-budget
+        self.link = LinkRate()  # the link's measured rate, for --dilocox-link-budget (fragments share one)
         self.step_seconds = 0.0  # EMA of the inner-step time (between hooks)
         self._last_hook = None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
@@ -109,6 +109,15 @@ class DiLoCoXSync:
         self._launched_delta = None  # δ of the round in flight (kept as error feedback if it is dropped)
         self.joined_midrun = False
         self.start_broadcast = False  # whether start() had to send cluster 0's model (it differed somewhere)
+
+    @property
+    def seconds_per_byte_prev(self) -> float:
+        """The link's measured rate as this cluster sends it in the next header (what every cluster plans from)."""
+        return self.link.seconds_per_byte
+
+    @seconds_per_byte_prev.setter
+    def seconds_per_byte_prev(self, value: float):
+        self.link.seconds_per_byte = value
 
     # ------------------------------------------------------------------------------------------ start
     @torch.no_grad()
@@ -335,9 +344,7 @@ class DiLoCoXSync:
         self.comm_seconds_prev = (transfer if self.comm_seconds_prev == 0
                                   else 0.5 * self.comm_seconds_prev + 0.5 * transfer)
         if result.wire_bytes > 0:
-            rate = result.wire_seconds / result.wire_bytes
-            self.seconds_per_byte_prev = (rate if self.seconds_per_byte_prev == 0
-                                          else 0.5 * self.seconds_per_byte_prev + 0.5 * rate)
+            self.link.update(result.wire_seconds / result.wire_bytes)
         if result.status.startswith("stopped"):
             self.stopped = (f"DiLoCoX round {result.round} {result.status} (--dilocox-on-peer-failure "
                             f"{self.cfg.on_peer_failure}); the global model was not changed")
