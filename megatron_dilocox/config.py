@@ -73,7 +73,8 @@ class DiLoCoXConfig:
                                  "behind the next round, applied one round late; eager starts that round from a "
                                  "local proxy of the missing average)")
     fragments: int = knob(1, "Streaming DiLoCo: sync the model as this many fragments (equal runs of the "
-                             "tensors laid end to end, cut between rows), each on its own round, their boundaries H/F inner steps apart: "
+                             "tensors laid end to end, cut between rows), each on its own round, their "
+                             "boundaries H/F inner steps apart: "
                              "the same bytes per step, but each fragment's transfer is 1/F as long, so it lands "
                              "about H/F steps after it leaves; needs --dilocox-overlap one-step-delay or none "
                              "(README: convergence)")

@@ -23,9 +23,9 @@ WHOLE_LEVEL = float(1 << 30)
 class LinkRate:
     """The inter-cluster link's measured seconds per byte (0: not yet measured), smoothed over the payloads
     sent: one per DiLoCoXSync, or one shared by every fragment (streaming.py), whose transfers cross the same
-    link: each landing then refines the estimate every fragment plans from. Shared, fragment 0 had planned
-    from the start-up probe alone (6x optimistic on the ratio-325 link) for two of its rounds, and its H took
-    three rounds (10 -> 16 -> 28 -> 79) to reach what the link needs, each round's transfers waited for."""
+    link: each landing then refines the estimate every fragment plans from (one per fragment, fragment 0
+    planned its second round from the start-up probe alone, which on the ratio-325 link read ~6x faster than
+    the transfers during training, and its rounds waited for their transfers until H caught up)."""
 
     def __init__(self, seconds_per_byte: float = 0.0):
         self.seconds_per_byte = seconds_per_byte
