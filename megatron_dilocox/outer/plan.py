@@ -66,11 +66,17 @@ def next_round(sync, result) -> tuple[int, int, int]:
             if whole[0] > h:  # the round and its landing stretch to the whole transfer
                 h, tau = whole
             rank = 0
-        else:  # the rank (0: whole) the link carries in the steps the round has to hide in
-            rank = sync.codec.link_rank(link_steps(cfg, sync.link_share) * result.peer_step_seconds,
-                                        result.peer_seconds_per_byte, result.num_clusters)
+        else:
+            rank = budget_rank(sync, result)
     h, rank, tau = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget)
     return h, rank, min(tau, h)
+
+
+def budget_rank(sync, result) -> int:
+    """The rank (0: whole) the measured link carries in the steps a round has to hide in (link_steps; a
+    fragment: its share of them)."""
+    return sync.codec.link_rank(link_steps(sync.cfg, sync.link_share) * result.peer_step_seconds,
+                                result.peer_seconds_per_byte, result.num_clusters)
 
 
 def landing_step(sync, result, h: int) -> int:
@@ -86,7 +92,7 @@ def landing_step(sync, result, h: int) -> int:
 def follow(sync, result) -> tuple[int, int, int]:
     """(H, rank, τ) of a fragment after the first (see next_round): fragment 0's H; whole when fragment 0's
     rounds go whole, else the rank the link carries in its share of the budget; τ from its own transfer."""
-    cfg, lead = sync.cfg, sync.leader
+    lead = sync.leader
     h = lead.h
     tau = landing_step(sync, result, h)
     rank = result.next_rank
@@ -94,8 +100,7 @@ def follow(sync, result) -> tuple[int, int, int]:
         rank = 0
         if lead.codec.rank != 0 and sync.codec.groups and result.peer_seconds_per_byte > 0 \
                 and result.peer_step_seconds > 0:
-            rank = sync.codec.link_rank(link_steps(cfg, sync.link_share) * result.peer_step_seconds,
-                                        result.peer_seconds_per_byte, result.num_clusters)
+            rank = budget_rank(sync, result)
     h, rank, tau = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget)
     return h, rank, min(tau, h)
 

@@ -30,7 +30,7 @@ def save(sync) -> dict:
         "config": sync.cfg.agreement_dict(),
         "round": sync.round, "steps_in_round": sync.steps_in_round, "iteration": sync.iteration,
         "h": sync.h, "tau": sync.tau, "comm_seconds_prev": sync.comm_seconds_prev, "step_seconds": sync.step_seconds,
-        "seconds_per_byte_prev": sync.seconds_per_byte_prev,
+        "seconds_per_byte_prev": sync.link.seconds_per_byte,
         "anchor": [a.clone() for a in sync.anchor],
         "round_start": [s.clone() for s in sync.round_start] if sync.delayed else None,
         "outer": sync.outer.state_dict(),
@@ -62,7 +62,7 @@ def load(sync, state: dict):
     sync.round, sync.steps_in_round, sync.iteration = state["round"], state["steps_in_round"], state["iteration"]
     sync.h, sync.comm_seconds_prev, sync.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
     sync.tau = state.get("tau", plan.fixed_tau(sync.cfg, sync.h))  # checkpoints from before τ was saved (τ was H)
-    sync.seconds_per_byte_prev = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)
+    sync.link.seconds_per_byte = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)
     cfg, device = sync.cfg, sync.outer_device
     sync.anchor = [a.to(device, torch.float32).clone() for a in state["anchor"]]
     sync.outer = OuterNesterov(sync.anchor, cfg.outer_lr, cfg.resolved_outer_momentum, cfg.outer_nesterov)

@@ -164,7 +164,8 @@ class StreamingSync:
         return self.anchor
 
     def model_hash(self) -> str:
-        return report.tensors_hash(self.anchor)
+        """The hash of φ: the fragments' pieces in order are the parameters' bytes in order (no joined copy)."""
+        return report.tensors_hash([a for f in self.fragments for a in f.anchor])
 
     @property
     def iteration(self) -> int:

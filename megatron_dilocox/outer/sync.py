@@ -110,15 +110,6 @@ class DiLoCoXSync:
         self.joined_midrun = False
         self.start_broadcast = False  # whether start() had to send cluster 0's model (it differed somewhere)
 
-    @property
-    def seconds_per_byte_prev(self) -> float:
-        """The link's measured rate as this cluster sends it in the next header (what every cluster plans from)."""
-        return self.link.seconds_per_byte
-
-    @seconds_per_byte_prev.setter
-    def seconds_per_byte_prev(self, value: float):
-        self.link.seconds_per_byte = value
-
     # ------------------------------------------------------------------------------------------ start
     @torch.no_grad()
     def start(self):
@@ -135,8 +126,8 @@ class DiLoCoXSync:
         self.anchor = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
         self.outer = OuterNesterov(self.anchor, self.cfg.outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
         self._restart_round_at_anchor()
-        if self.link_budget and self.seconds_per_byte_prev == 0:
-            self.seconds_per_byte_prev = probe_link(self.group, self.codec.payload_sizes(0)[0])
+        if self.link_budget and self.link.seconds_per_byte == 0:  # (a fragment after the first: already probed)
+            self.link.seconds_per_byte = probe_link(self.group, self.codec.payload_sizes(0)[0])
         self._last_hook = time.perf_counter()
         return self
 
@@ -296,7 +287,7 @@ class DiLoCoXSync:
             attempt_start = time.perf_counter()
             try:
                 result, outcome = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev,
-                                                      self.step_seconds, self.seconds_per_byte_prev,
+                                                      self.step_seconds, self.link.seconds_per_byte,
                                                       link_steps=first_link_steps), "ok"
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
             except PayloadError as exc:
