@@ -29,7 +29,7 @@ from megatron_dilocox.compression.collective import Collective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank, TorchDistCluster
-from megatron_dilocox.outer.streaming import make_sync
+from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.sync import DiLoCoXSync
 
 

@@ -78,6 +78,11 @@ class DiLoCoXConfig:
                              "the same bytes per step, but each fragment's transfer is 1/F as long, so it lands "
                              "about H/F steps after it leaves; needs --dilocox-overlap one-step-delay or none "
                              "(README: convergence)")
+    slow_link_fragments: int = knob(1, "with --dilocox-fragments 1: once a landed round shows the link holds a "
+                                       "round sent whole at least half-way into the next one, sync as this many "
+                                       "fragments from the next boundary on, with one-step-delay (the state "
+                                       "carried over exactly); 1: never. Stays unfragmented where fragments "
+                                       "are not allowed (--dilocox-on-peer-failure continue, H min below it)")
     # (None, from Python: always at the boundary, timing-free)
     overlap_steps: Optional[int] = knob(0, "τ: the average of a round is applied τ inner steps into the next "
                                            "round (the local progress of those τ steps is kept on top of it). "
@@ -242,6 +247,7 @@ class DiLoCoXConfig:
 
         need_int("h", 1)
         need_int("fragments", 1)
+        need_int("slow_link_fragments", 1)
         if self.fragments > 1:
             if self.on_peer_failure == "continue":
                 fail("fragments", "needs --dilocox-on-peer-failure stop: a cluster rejoining a run in progress "

@@ -9,7 +9,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.nesterov import OuterNesterov
 from megatron_dilocox.outer.cluster import IntraCluster
 from megatron_dilocox.outer.link import agree_on_cluster
-from megatron_dilocox.outer.streaming import make_sync
+from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.sync import DiLoCoXSync, DivergedError
 from tests.workers import batch, loss_fn, make_inner, make_model
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
-from megatron_dilocox.outer.streaming import StreamingSync, make_sync, split_fragments
+from megatron_dilocox.outer.auto import make_sync
+from megatron_dilocox.outer.streaming import StreamingSync, split_fragments
 from megatron_dilocox.outer.sync import DiLoCoXSync
 from tests.test_outer import inner_step, train
 from tests.workers import make_inner, make_model

@@ -15,7 +15,7 @@ import torch
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
-from megatron_dilocox.outer.streaming import make_sync
+from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.topology import InterClusterGroup, connect_store
 
 IN, HIDDEN, OUT = 16, 32, 8

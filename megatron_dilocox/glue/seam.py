@@ -42,7 +42,8 @@ from megatron_dilocox.glue import checkpoints
 from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
-from megatron_dilocox.outer.streaming import make_sync, split_fragments
+from megatron_dilocox.outer.auto import make_sync
+from megatron_dilocox.outer.streaming import split_fragments
 from megatron_dilocox.topology import InterClusterGroup, connect_store
 
 log = logging.getLogger("megatron_dilocox")

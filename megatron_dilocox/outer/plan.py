@@ -20,6 +20,11 @@ TAU_MARGIN = 1.0
 # H = 1, 1000 Megatron iterations: +12% validation loss vs synchronous DiLoCo), and the wait costs at most this.
 SYNC_LANDING_STEPS = 0.5
 
+# --dilocox-slow-link-fragments switches once a round sent whole lands at least this far into the next one: one
+# landing at the round's end cost +1.6% (KJV) vs synchronous DiLoCo at H = 100 and F = 4 fragments +0.7%, where a
+# landing in the first steps costs +0.1% and fragments on such a link +0.4-0.9% (README, "Convergence")
+SLOW_LINK_TAU_SHARE = 0.5
+
 
 def fixed_tau(cfg, h: int) -> int:
     """--dilocox-overlap-steps N: min(N, H); for 0 (adaptive, the default) the most a round may take: H."""
@@ -72,6 +77,15 @@ def next_round(sync, result) -> tuple[int, int, int]:
     return h, rank, min(tau, h)
 
 
+def link_holds_whole_rounds(sync) -> bool:
+    """After a landing: whether this (unfragmented) sync's next round is sent whole and lands at least
+    SLOW_LINK_TAU_SHARE of the way into the round after it, i.e. the whole transfer fills most of a round: then
+    fragments (streaming.py) land each part ~H/F steps after it leaves instead. From H, τ and the rank every rank
+    of every cluster agreed on, so all switch at the same boundary."""
+    return (sync.link_budget and sync.codec.rank == 0 and sync.link.seconds_per_byte > 0 and sync.tau > 0
+            and sync.tau >= SLOW_LINK_TAU_SHARE * sync.h)
+
+
 def budget_rank(sync, result) -> int:
     """The rank (0: whole) the measured link carries in the steps a round has to hide in (link_steps; a
     fragment: its share of them)."""
@@ -87,6 +101,11 @@ def landing_step(sync, result, h: int) -> int:
     if tau >= h and 0 < result.peer_comm_seconds <= SYNC_LANDING_STEPS * result.peer_step_seconds:
         tau = 0  # land at the boundary: a stale whole round costs more than this wait
     return tau
+
+
+def landing_tau(comm_seconds: float, step_seconds: float, h: int) -> int:
+    """Adaptive τ for a transfer of ``comm_seconds`` (twice it, in steps), in [1, H]; 1 without a measurement."""
+    return adaptive.choose_h(comm_seconds, step_seconds, 1, TAU_MARGIN, 1, h)
 
 
 def follow(sync, result) -> tuple[int, int, int]:

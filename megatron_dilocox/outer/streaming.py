@@ -31,7 +31,7 @@ import torch
 from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import report
+from megatron_dilocox.outer import plan, report
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.sync import DiLoCoXSync
 
@@ -112,6 +112,34 @@ class StreamingSync:
         self.outer_device, self.delayed = self.lead.outer_device, self.lead.delayed
         self.joined_midrun = False
 
+    @classmethod
+    @torch.no_grad()
+    def take_over(cls, sync: DiLoCoXSync, config: DiLoCoXConfig) -> "StreamingSync":
+        """F fragments that go on from an unfragmented ``sync`` between rounds (nothing in flight), each with its
+        pieces of φ, the round start, the outer momentum and the error feedback; H, the counters, the step time
+        and the link rate carried over. Not carried: eager's local correction (fragments run one-step-delay) and
+        Q (rounds sent whole, the only ones that switch, do not use it; a later cut starts it afresh)."""
+        assert sync._in_flight is None and sync._done is None, "a round is in flight"
+        sync._executor.shutdown(wait=True)  # (the group stays: the fragments' exchange thread uses it)
+        self = cls(sync.params, config, sync.group, sync.intra, sync.metrics, sync.train_iters)
+        self.rows, self.exchange_spans = sync.rows, sync.exchange_spans
+        error = sync.codec.error
+        momentum = sync.outer.buf
+        for f, pieces in zip(self.fragments, self.pieces):
+            carve = lambda tensors: [piece_view(tensors[pc[0]], pc).clone() for pc in pieces]  # noqa: E731
+            f.rows, f.exchange_spans, f.link = self.rows, self.exchange_spans, sync.link
+            f.anchor, f.round_start = carve(sync.anchor), carve(sync.round_start)
+            f.outer = type(sync.outer)(f.anchor, sync.outer.lr, sync.outer.momentum, sync.outer.nesterov)
+            f.outer.buf = None if momentum is None else carve(momentum)
+            f.codec.error = carve(error)
+            f.codec.set_rank(sync.codec.rank, sync.round)
+            f.round, f.steps_in_round, f.iteration, f.h = sync.round, sync.steps_in_round, sync.iteration, sync.h
+            f.step_seconds, f._last_hook = sync.step_seconds, sync._last_hook
+            f.comm_seconds_prev = sync.comm_seconds_prev / f.link_share  # its transfer: its share of the bytes
+            f.tau = (plan.fixed_tau(config, f.h) if config.overlap_steps != 0
+                     else plan.landing_tau(f.comm_seconds_prev, f.step_seconds, f.h))
+        return self
+
     def start(self):
         if self.group.joining:
             raise RuntimeError("DiLoCoX: this cluster would rejoin a run in progress, which --dilocox-fragments > 1 "
@@ -189,7 +217,3 @@ class StreamingSync:
         for f, s in zip(self.fragments, saved):
             f.load_state_dict(s)
 
-
-def make_sync(params, config: DiLoCoXConfig, *args, **kwargs):
-    """The round logic for ``config``: DiLoCoXSync, or StreamingSync with --dilocox-fragments > 1."""
-    return (StreamingSync if config.fragments > 1 else DiLoCoXSync)(params, config, *args, **kwargs)

@@ -1,0 +1,170 @@
+"""--dilocox-slow-link-fragments (outer/auto.py) in one process (C = 1): the rule, which runs may switch, the state
+carried into the fragments, reduction to plain training across the switch, resume on either side of it.
+
+The rule reads transfer times, which C = 1 has none of: the tests of the switch itself fix its answer
+(``switch_after``); the rule is tested on its inputs; a real slow link switching is in the WAN benchmark."""
+import copy
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_dilocox.compression.codec import HEADER_BYTES
+from megatron_dilocox.compression.quantize import payload_bytes
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.metrics import read_rows
+from megatron_dilocox.outer import plan
+from megatron_dilocox.outer.auto import SlowLinkSync, fragments_config, make_sync
+from megatron_dilocox.outer.link import LinkRate
+from megatron_dilocox.outer.streaming import StreamingSync
+from megatron_dilocox.outer.sync import DiLoCoXSync
+from tests import test_outer
+from tests.test_outer import inner_step, train
+from tests.test_multiprocess import assert_no_errors, run, spec
+from tests.workers import HIDDEN, IN, OUT, make_inner, make_model
+
+
+def _sync(rank=0, h=100, tau=100, rate=1e-5, budget=True):
+    return SimpleNamespace(link_budget=budget, codec=SimpleNamespace(rank=rank), h=h, tau=tau, link=LinkRate(rate))
+
+
+def test_the_rule_asks_for_fragments_when_a_whole_round_lands_half_way_in_or_later():
+    assert plan.link_holds_whole_rounds(_sync())  # the ratio-325 link: whole at H 53-100, τ = H
+    assert plan.link_holds_whole_rounds(_sync(h=50, tau=25))
+    assert not plan.link_holds_whole_rounds(_sync(h=50, tau=24))
+    assert not plan.link_holds_whole_rounds(_sync(h=50, tau=1))  # loopback: lands the next step
+    assert not plan.link_holds_whole_rounds(_sync(h=1, tau=0))  # lands at the boundary itself
+    assert not plan.link_holds_whole_rounds(_sync(rank=9))  # rank cut: its rounds are short already
+    assert not plan.link_holds_whole_rounds(_sync(rate=0.0))  # nothing measured
+    assert not plan.link_holds_whole_rounds(_sync(budget=False))  # rounds not sized to the link
+
+
+def test_make_sync_may_switch_only_where_fragments_are_allowed():
+    params = [p.data for p in make_model(0).parameters()]
+    shapes = [p.shape for p in params]
+    assert type(make_sync(params, DiLoCoXConfig(h=10, slow_link_fragments=4))) is SlowLinkSync
+    to = fragments_config(DiLoCoXConfig(h=10, slow_link_fragments=4), shapes)
+    assert (to.fragments, to.overlap, to.h, to.slow_link_fragments) == (4, "one-step-delay", 10, 4)
+    for never in (dict(h=10), dict(h=10, slow_link_fragments=4, overlap="none"),
+                  dict(h=10, slow_link_fragments=4, link_budget=False),
+                  dict(h=10, slow_link_fragments=4, overlap_steps=10),  # τ fixed: fragments would land as late
+                  dict(h=10, h_min=3, slow_link_fragments=4),  # a fragment's round needs H >= F
+                  dict(h=10, slow_link_fragments=4, on_peer_failure="continue"),  # a rejoin takes one round
+                  dict(h=10, slow_link_fragments=200)):  # more fragments than the test network's rows
+        assert type(make_sync(params, DiLoCoXConfig(**never))) is DiLoCoXSync, never
+    fixed = make_sync(params, DiLoCoXConfig(h=10, fragments=2, overlap="one-step-delay", slow_link_fragments=4))
+    assert type(fixed) is StreamingSync and len(fixed.fragments) == 2
+
+
+@torch.no_grad()
+def test_take_over_carves_phi_the_round_start_momentum_and_error_feedback_exactly():
+    """Eager, momentum 0.9, int4 (so the error feedback is not zero), two rounds landed (H = 4, τ = 1), then the
+    state split into 4 fragments: joined back, every piece is the unfragmented value, bitwise."""
+    model = make_model(0)
+    opt = make_inner(model, "adam", 0.01)
+    cfg = DiLoCoXConfig(h=4, lowrank=False, quant_bits=4, quant_block_size=32, outer_momentum=0.9,
+                        adaptive_h=False, overlap_steps=1, slow_link_fragments=4)
+    single = DiLoCoXSync([p.data for p in model.parameters()], cfg).start()
+    for step in range(11):  # rounds at 4 and 8, landed at 5 and 9
+        with torch.enable_grad():
+            inner_step(model, opt, step)
+        single.after_inner_step()
+    single.step_seconds, single.comm_seconds_prev, single.link.seconds_per_byte = 0.5, 1.2, 3e-6
+    want = {"anchor": single.anchor, "round_start": single.round_start, "momentum": single.outer.buf,
+            "error": single.codec.error}
+    assert max(float(e.abs().max()) for e in want["error"]) > 0 and single.correction is not None
+    want = {k: [v.clone() for v in vs] for k, vs in want.items()}
+    streaming = StreamingSync.take_over(single, to_fragments(cfg))
+
+    def joined(get):
+        parts = [[] for _ in want["anchor"]]
+        for f, pieces in zip(streaming.fragments, streaming.pieces):
+            for (i, _, _), v in zip(pieces, get(f)):
+                parts[i].append(v)
+        return [torch.cat(p) for p in parts]
+
+    for name, get in (("anchor", lambda f: f.anchor), ("round_start", lambda f: f.round_start),
+                      ("momentum", lambda f: f.outer.buf), ("error", lambda f: f.codec.error)):
+        assert all(torch.equal(a, b) for a, b in zip(joined(get), want[name])), name
+    assert all(all(a is b for a, b in zip(f.outer.anchor, f.anchor)) and f.correction is None and f.link is single.link
+               for f in streaming.fragments)
+    assert [(f.round, f.steps_in_round, f.iteration, f.h, f.codec.rank) for f in streaming.fragments] == [(2, 3, 11, 4, 0)] * 4
+    # τ fixed at 1 (--dilocox-overlap-steps 1); each fragment's transfer: its share of the whole one's 1.2 s
+    assert [f.tau for f in streaming.fragments] == [1] * 4
+    assert [f.comm_seconds_prev for f in streaming.fragments] == [1.2 / f.link_share for f in streaming.fragments]
+    streaming.close()
+
+
+def to_fragments(cfg):
+    """What fragments_config makes of ``cfg``, τ fixed included (make_sync switches only runs of adaptive τ,
+    which follows wall times: the C = 1 tests fix τ to be timing-free)."""
+    return dataclasses.replace(cfg, fragments=cfg.slow_link_fragments, overlap="one-step-delay").validate()
+
+
+def switch_after(monkeypatch, landed_rounds):
+    """The rule answers yes from the landing of round ``landed_rounds`` on (C = 1 has no transfers to time);
+    ``train`` makes a SlowLinkSync of its settings."""
+    monkeypatch.setattr(plan, "link_holds_whole_rounds", lambda s: s.round >= landed_rounds)
+    monkeypatch.setattr(test_outer, "make_sync", lambda params, cfg, *args, **kwargs: SlowLinkSync(
+        DiLoCoXSync(params, cfg, *args, **kwargs), to_fragments(cfg)))
+
+
+def test_a_switched_single_cluster_reproduces_plain_training(monkeypatch):
+    """C = 1, outer lr 1, no momentum, eager, H = 8, τ = 2: round 2 lands at 18 and asks for fragments; at 24
+    the switch (fragment 0's round ends there, fragment j's 2j steps later, each landing 2 steps after it leaves);
+    every round before and after gives back θ."""
+    switch_after(monkeypatch, 2)
+    plain_losses, plain_params, _, _ = train(40)
+    cfg = dict(h=8, lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0, outer_lr_warmup_iters=0,
+               adaptive_h=False, overlap_steps=2, slow_link_fragments=4)
+    losses, params, _, sync = train(40, cfg)
+    assert sync.switched_at == 24 and len(sync.fragments) == 4
+    assert [(r["fragment"], r["round"], r["launched_at"], r["iteration"]) for r in sync.rows] == [
+        (0, 1, 8, 10), (0, 2, 16, 18),  # unfragmented
+        (0, 3, 24, 26), (1, 3, 26, 28), (2, 3, 28, 30), (3, 3, 30, 32), (0, 4, 32, 34), (1, 4, 34, 36),
+        (2, 4, 36, 38), (3, 4, 38, 40)]
+    assert max(abs(a - b) for a, b in zip(losses, plain_losses)) < 1e-6  # (fp32 roundings: test_outer's bound)
+    assert max(float((a - b).abs().max()) for a, b in zip(params, plain_params)) < 1e-6
+
+
+@pytest.mark.parametrize("save_at", [17, 20, 27])
+def test_resume_before_the_decision_before_the_switch_and_after_it_is_bitwise(monkeypatch, save_at):
+    """Compressed (rank 2-4, int4), H = 8, τ = 3: round 2 lands at 19 and asks for fragments, the switch comes at
+    24; saved at 17 (before), 20 (asked, not yet switched: the checkpoint carries the pending switch) and 27
+    (fragments in flight). The resumed run is the uninterrupted one, bitwise."""
+    switch_after(monkeypatch, 2)
+    cfg = dict(h=8, lowrank_rank=2, lowrank_min_dim=8, quant_bits=4, quant_block_size=32, adaptive_h=False,
+               adaptive_rank=True, lowrank_rank_max=4, overlap_steps=3, slow_link_fragments=4)
+    full_losses, full_params, saved, full = train(40, cfg, save_at=save_at)
+    assert full.switched_at == 24
+    resumed_losses, resumed_params, _, resumed = train(40, cfg, load=copy.deepcopy(saved))
+    assert len(resumed.fragments) == 4
+    assert resumed_losses == full_losses[save_at:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed_params, full_params))
+
+
+def test_two_clusters_on_a_slow_link_switch_at_the_same_boundary_and_agree_bitwise(tmp_path):
+    """Real processes, gloo, each all-gather delayed 0.3 s (a round's header + payload: ~0.6 s) behind steps of
+    0.05 s, adaptive τ, H = 8 fixed, int4 whole: rounds 1 and 2 land a step after they leave (τ = 1 until a
+    transfer is measured: the header of round 2 carries round 1's); round 1's transfer (~12 steps) sets τ = H,
+    which asks for fragments at round 2's landing (step 17), so the rounds go as 2 fragments from the boundary at
+    24 (fragment 1's 4 steps later; the end sends fragment 1's last 4 steps). Both clusters switch there, every
+    row carries the same global-model hash on both, and each round's bytes are its closed form."""
+    C, bits, block = 2, 4, 32
+    res = run(C, steps=32, step_sleep=0.05, slow_gather=0.3, metrics_dir=str(tmp_path),
+              dilocox=spec(C, h=8, overlap_steps=0, lowrank=False, quant_bits=bits, quant_block_size=block,
+                           slow_link_fragments=2))
+    assert_no_errors(res)
+    rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
+    schedule = [(r["fragment"], r["round"], r["launched_at"]) for r in rows0]
+    assert schedule == [(r["fragment"], r["round"], r["launched_at"]) for r in rows1]
+    assert schedule == [(0, 1, 8), (0, 2, 16), (0, 3, 24), (0, 4, 32), (1, 3, 28), (1, 4, 32)]  # (landing order)
+    numel = {0: 25 * IN, 1: 7 * IN + HIDDEN + HIDDEN * OUT + OUT}  # split at row 25 (test_multiprocess)
+    whole = sum(numel.values())
+    for i, (a, b) in enumerate(zip(rows0, rows1)):
+        assert a["status"] == "applied" and a["global_model_hash"] == b["global_model_hash"]
+        n = whole if i < 2 else numel[a["fragment"]]
+        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload_bytes(n, bits, block)), (i, a["fragment"])
+    assert rows0[-1]["global_model_hash"] == res[(0, 0)]["final_hash"] == res[(1, 0)]["final_hash"]
+    assert all(torch.equal(x, y) for x, y in zip(res[(0, 0)]["final_params"], res[(1, 0)]["final_params"]))
