@@ -145,26 +145,33 @@ def test_resume_before_the_decision_before_the_switch_and_after_it_is_bitwise(mo
 
 
 def test_two_clusters_on_a_slow_link_switch_at_the_same_boundary_and_agree_bitwise(tmp_path):
-    """Real processes, gloo, each all-gather delayed 0.3 s (a round's header + payload: ~0.6 s) behind steps of
+    """Real processes (2 clusters x 2 ranks), gloo, each all-gather delayed 0.3 s (a round's header + payload: ~0.6 s) behind steps of
     0.05 s, adaptive τ, H = 8 fixed, int4 whole: rounds 1 and 2 land a step after they leave (τ = 1 until a
     transfer is measured: the header of round 2 carries round 1's); round 1's transfer (~12 steps) sets τ = H,
     which asks for fragments at round 2's landing (step 17), so the rounds go as 2 fragments from the boundary at
-    24 (fragment 1's 4 steps later; the end sends fragment 1's last 4 steps). Both clusters switch there, every
+    24 (fragment 1's 4 steps later, each landing 8 / 2 steps after it leaves; the end sends both fragments' last
+    steps). Both clusters switch there, every
     row carries the same global-model hash on both, and each round's bytes are its closed form."""
     C, bits, block = 2, 4, 32
-    res = run(C, steps=32, step_sleep=0.05, slow_gather=0.3, metrics_dir=str(tmp_path),
+    res = run(C, ranks=2, steps=32, step_sleep=0.05, slow_gather=0.3, metrics_dir=str(tmp_path),
               dilocox=spec(C, h=8, overlap_steps=0, lowrank=False, quant_bits=bits, quant_block_size=block,
                            slow_link_fragments=2))
     assert_no_errors(res)
     rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
     schedule = [(r["fragment"], r["round"], r["launched_at"]) for r in rows0]
     assert schedule == [(r["fragment"], r["round"], r["launched_at"]) for r in rows1]
-    assert schedule == [(0, 1, 8), (0, 2, 16), (0, 3, 24), (0, 4, 32), (1, 3, 28), (1, 4, 32)]  # (landing order)
+    # landing order; fragments' τ until their first landing: the whole round's τ (8) over 2 fragments
+    assert [(r["fragment"], r["round"], r["launched_at"], r["iteration"]) for r in rows0] == [
+        (0, 1, 8, 9), (0, 2, 16, 17), (0, 3, 24, 28), (1, 3, 28, 32), (0, 4, 32, 32), (1, 4, 32, 32)]
     numel = {0: 25 * IN, 1: 7 * IN + HIDDEN + HIDDEN * OUT + OUT}  # split at row 25 (test_multiprocess)
     whole = sum(numel.values())
     for i, (a, b) in enumerate(zip(rows0, rows1)):
         assert a["status"] == "applied" and a["global_model_hash"] == b["global_model_hash"]
         n = whole if i < 2 else numel[a["fragment"]]
-        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload_bytes(n, bits, block)), (i, a["fragment"])
-    assert rows0[-1]["global_model_hash"] == res[(0, 0)]["final_hash"] == res[(1, 0)]["final_hash"]
-    assert all(torch.equal(x, y) for x, y in zip(res[(0, 0)]["final_params"], res[(1, 0)]["final_params"]))
+        # (the cluster's row: both ranks' bytes; their tensors have the same shapes)
+        assert a["bytes_sent"] == 2 * (C - 1) * (HEADER_BYTES + payload_bytes(n, bits, block)), (i, a["fragment"])
+    for lr in range(2):  # two ranks per cluster (each its own tensors), which must switch and land together
+        assert [(r["fragment"], r["round"], r["launched_at"], r["iteration"]) for r in res[(0, lr)]["rows"]] == \
+               [(r["fragment"], r["round"], r["launched_at"], r["iteration"]) for r in res[(1, lr)]["rows"]]
+        assert res[(0, lr)]["final_hash"] == res[(1, lr)]["final_hash"]
+        assert all(torch.equal(x, y) for x, y in zip(res[(0, lr)]["final_params"], res[(1, lr)]["final_params"]))

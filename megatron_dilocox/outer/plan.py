@@ -103,11 +103,6 @@ def landing_step(sync, result, h: int) -> int:
     return tau
 
 
-def landing_tau(comm_seconds: float, step_seconds: float, h: int) -> int:
-    """Adaptive τ for a transfer of ``comm_seconds`` (twice it, in steps), in [1, H]; 1 without a measurement."""
-    return adaptive.choose_h(comm_seconds, step_seconds, 1, TAU_MARGIN, 1, h)
-
-
 def follow(sync, result) -> tuple[int, int, int]:
     """(H, rank, τ) of a fragment after the first (see next_round): fragment 0's H; whole when fragment 0's
     rounds go whole, else the rank the link carries in its share of the budget; τ from its own transfer."""

@@ -123,8 +123,7 @@ class StreamingSync:
         sync._executor.shutdown(wait=True)  # (the group stays: the fragments' exchange thread uses it)
         self = cls(sync.params, config, sync.group, sync.intra, sync.metrics, sync.train_iters)
         self.rows, self.exchange_spans = sync.rows, sync.exchange_spans
-        error = sync.codec.error
-        momentum = sync.outer.buf
+        error, momentum, count = sync.codec.error, sync.outer.buf, len(self.fragments)
         for f, pieces in zip(self.fragments, self.pieces):
             carve = lambda tensors: [piece_view(tensors[pc[0]], pc).clone() for pc in pieces]  # noqa: E731
             f.rows, f.exchange_spans, f.link = self.rows, self.exchange_spans, sync.link
@@ -136,8 +135,11 @@ class StreamingSync:
             f.round, f.steps_in_round, f.iteration, f.h = sync.round, sync.steps_in_round, sync.iteration, sync.h
             f.step_seconds, f._last_hook = sync.step_seconds, sync._last_hook
             f.comm_seconds_prev = sync.comm_seconds_prev / f.link_share  # its transfer: its share of the bytes
-            f.tau = (plan.fixed_tau(config, f.h) if config.overlap_steps != 0
-                     else plan.landing_tau(f.comm_seconds_prev, f.step_seconds, f.h))
+            # τ until its first landing: the whole round's, which every rank of every cluster agreed on, over F
+            # (a fragment's transfer is ~1/F of the whole one's); not this rank's own times, which differ between
+            # ranks (a Megatron PP2 cluster whose stages landed a fragment at different steps hung in the
+            # cluster's agreement)
+            f.tau = plan.fixed_tau(config, f.h) if config.overlap_steps != 0 else max(1, math.ceil(sync.tau / count))
         return self
 
     def start(self):
