@@ -70,12 +70,12 @@ def test_take_over_carves_phi_the_round_start_momentum_and_error_feedback_exactl
         with torch.enable_grad():
             inner_step(model, opt, step)
         single.after_inner_step()
-    single.step_seconds, single.comm_seconds_prev, single.link.seconds_per_byte = 0.5, 1.2, 3e-6
+    single.step_seconds, single.comm_seconds_prev, single.link.seconds_per_byte, single.tau = 0.5, 1.2, 3e-6, 3
     want = {"anchor": single.anchor, "round_start": single.round_start, "momentum": single.outer.buf,
             "error": single.codec.error}
     assert max(float(e.abs().max()) for e in want["error"]) > 0 and single.correction is not None
     want = {k: [v.clone() for v in vs] for k, vs in want.items()}
-    streaming = StreamingSync.take_over(single, to_fragments(cfg))
+    streaming = StreamingSync.take_over(single, dataclasses.replace(to_fragments(cfg), overlap_steps=0))
 
     def joined(get):
         parts = [[] for _ in want["anchor"]]
@@ -90,9 +90,9 @@ def test_take_over_carves_phi_the_round_start_momentum_and_error_feedback_exactl
     assert all(all(a is b for a, b in zip(f.outer.anchor, f.anchor)) and f.correction is None and f.link is single.link
                for f in streaming.fragments)
     assert [(f.round, f.steps_in_round, f.iteration, f.h, f.codec.rank) for f in streaming.fragments] == [(2, 3, 11, 4, 0)] * 4
-    # τ fixed at 1 (--dilocox-overlap-steps 1); each fragment's transfer: its share of the whole one's 1.2 s
+    # adaptive τ until a fragment's first landing: the whole round's τ (3, agreed everywhere) over F, rounded up
     assert [f.tau for f in streaming.fragments] == [1] * 4
-    assert [f.comm_seconds_prev for f in streaming.fragments] == [1.2 / f.link_share for f in streaming.fragments]
+    assert [f.comm_seconds_prev for f in streaming.fragments] == [0.0] * 4  # (its own: not measured yet)
     streaming.close()
 
 

@@ -134,7 +134,10 @@ class StreamingSync:
             f.codec.set_rank(sync.codec.rank, sync.round)
             f.round, f.steps_in_round, f.iteration, f.h = sync.round, sync.steps_in_round, sync.iteration, sync.h
             f.step_seconds, f._last_hook = sync.step_seconds, sync._last_hook
-            f.comm_seconds_prev = sync.comm_seconds_prev / f.link_share  # its transfer: its share of the bytes
+            # its own transfer is not measured yet: 0 keeps τ (and fragment 0's H) until it is. (The whole round's
+            # time over the link share was no stand-in: on the ratio-325 link the switch followed a round whose
+            # rank had been cut, a quarter of whose time set τ = 6 for fragments taking ~11 steps: 6 s exposed)
+            f.comm_seconds_prev = 0.0
             # τ until its first landing: the whole round's, which every rank of every cluster agreed on, over F
             # (a fragment's transfer is ~1/F of the whole one's); not this rank's own times, which differ between
             # ranks (a Megatron PP2 cluster whose stages landed a fragment at different steps hung in the
