@@ -43,7 +43,7 @@ def test_fragments_are_views_of_the_parameters_and_their_sizes_differ_by_at_most
 
 def test_make_sync_picks_streaming_only_for_more_than_one_fragment():
     params = [p.data for p in make_model(0).parameters()]
-    assert type(make_sync(params, DiLoCoXConfig(h=4))) is DiLoCoXSync
+    assert type(make_sync(params, DiLoCoXConfig(h=4, slow_link_fragments=1))) is DiLoCoXSync  # (test_slow_link)
     assert type(make_sync(params, DiLoCoXConfig(h=4, fragments=2, overlap="none"))) is StreamingSync
 
 
