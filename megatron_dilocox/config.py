@@ -81,8 +81,9 @@ class DiLoCoXConfig:
     slow_link_fragments: int = knob(4, "with --dilocox-fragments 1: once a landed round shows the link holds a "
                                        "round sent whole at least half-way into the next one, sync as this many "
                                        "fragments from the next boundary on, with one-step-delay (the state "
-                                       "carried over exactly); 1: never. Stays unfragmented where fragments "
-                                       "are not allowed (--dilocox-on-peer-failure continue, H min below it)")
+                                       "carried over exactly); 1: never. Only with adaptive τ (overlap-steps 0) "
+                                       "and the link budget, and where fragments are allowed "
+                                       "(on-peer-failure stop, H min >= it)")
     # (None, from Python: always at the boundary, timing-free)
     overlap_steps: Optional[int] = knob(0, "τ: the average of a round is applied τ inner steps into the next "
                                            "round (the local progress of those τ steps is kept on top of it). "

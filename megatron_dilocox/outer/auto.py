@@ -5,8 +5,10 @@ Why switch mid-run rather than choose at the start: only transfers measured duri
 round sent whole fills most of the next one (on the ratio-325 link the start-up probe read ~6x faster than the
 transfers while training). Fragments pay there and cost on a fast link (main job's GPT, 1000 iterations):
 
-    ratio-325 link:   unfragmented +4.76% vs AllReduce, F = 4 one-step-delay +3.75%
-    loopback, H = 50: F = 4 one-step-delay +0.44% (KJV) / +0.88% (docs) vs the unfragmented defaults
+    ratio-325 link:   unfragmented +4.76% vs AllReduce, F = 4 one-step-delay from the start +3.75%,
+                      switched here at iteration 75: +3.38% (+2.93% in a second run)
+    loopback, H = 50: F = 4 one-step-delay +0.44% (KJV) / +0.88% (docs) vs the unfragmented defaults; this
+                      rule never switches there (a whole round lands a step after it leaves)
 
 So a run starts unfragmented; after each landing plan.link_holds_whole_rounds decides from the H, τ and rank
 every cluster agreed on, and at the next boundary the in-flight round lands and StreamingSync.take_over carves
