@@ -6,7 +6,7 @@ round sent whole fills most of the next one (on the ratio-325 link the start-up 
 transfers while training). Fragments pay there and cost on a fast link (main job's GPT, 1000 iterations):
 
     ratio-325 link:   unfragmented +4.76% vs AllReduce, F = 4 one-step-delay from the start +3.75%,
-                      switched here at iteration 75: +3.38% (+2.93% in a second run)
+                      switched here at iteration 75-79: +3.38% / +3.48% (+2.93% at an earlier commit)
     loopback, H = 50: F = 4 one-step-delay +0.44% (KJV) / +0.88% (docs) vs the unfragmented defaults; this
                       rule never switches there (a whole round lands a step after it leaves)
 
