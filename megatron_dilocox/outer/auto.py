@@ -121,12 +121,7 @@ class SlowLinkSync:
     def load_state_dict(self, state: dict):
         """A checkpoint written after the switch ("fragments") resumes as fragments."""
         if "fragments" in state and self.streaming is None:
-            s = self.single
-            s._executor.shutdown(wait=True)
-            self.streaming = StreamingSync(s.params, self.fragmented, s.group, s.intra, s.metrics, s.train_iters)
-            self.streaming.rows, self.streaming.exchange_spans = s.rows, s.exchange_spans
-            for f in self.streaming.fragments:
-                f.rows, f.exchange_spans = s.rows, s.exchange_spans
+            self.streaming = StreamingSync.succeeding(self.single, self.fragmented)
         self.current.load_state_dict(state)
         self.switch_due = bool(state.get("slow_link_switch_due", False))
 

@@ -113,6 +113,17 @@ class StreamingSync:
         self.joined_midrun = False
 
     @classmethod
+    def succeeding(cls, sync: DiLoCoXSync, config: DiLoCoXConfig) -> "StreamingSync":
+        """Fragments in place of an unfragmented ``sync`` (state not set): on its group, its thread shut down,
+        its rows and exchange spans continued."""
+        sync._executor.shutdown(wait=True)  # (the group stays: the fragments' exchange thread uses it)
+        self = cls(sync.params, config, sync.group, sync.intra, sync.metrics, sync.train_iters)
+        self.rows, self.exchange_spans = sync.rows, sync.exchange_spans
+        for f in self.fragments:
+            f.rows, f.exchange_spans = sync.rows, sync.exchange_spans
+        return self
+
+    @classmethod
     @torch.no_grad()
     def take_over(cls, sync: DiLoCoXSync, config: DiLoCoXConfig) -> "StreamingSync":
         """F fragments that go on from an unfragmented ``sync`` between rounds (nothing in flight), each with its
@@ -120,13 +131,11 @@ class StreamingSync:
         and the link rate carried over. Not carried: eager's local correction (fragments run one-step-delay) and
         Q (rounds sent whole, the only ones that switch, do not use it; a later cut starts it afresh)."""
         assert sync._in_flight is None and sync._done is None, "a round is in flight"
-        sync._executor.shutdown(wait=True)  # (the group stays: the fragments' exchange thread uses it)
-        self = cls(sync.params, config, sync.group, sync.intra, sync.metrics, sync.train_iters)
-        self.rows, self.exchange_spans = sync.rows, sync.exchange_spans
+        self = cls.succeeding(sync, config)
         error, momentum, count = sync.codec.error, sync.outer.buf, len(self.fragments)
         for f, pieces in zip(self.fragments, self.pieces):
             carve = lambda tensors: [piece_view(tensors[pc[0]], pc).clone() for pc in pieces]  # noqa: E731
-            f.rows, f.exchange_spans, f.link = self.rows, self.exchange_spans, sync.link
+            f.link = sync.link
             f.anchor, f.round_start = carve(sync.anchor), carve(sync.round_start)
             f.outer = type(sync.outer)(f.anchor, sync.outer.lr, sync.outer.momentum, sync.outer.nesterov)
             f.outer.buf = None if momentum is None else carve(momentum)
