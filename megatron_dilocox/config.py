@@ -78,7 +78,7 @@ class DiLoCoXConfig:
                              "the same bytes per step, but each fragment's transfer is 1/F as long, so it lands "
                              "about H/F steps after it leaves; needs --dilocox-overlap one-step-delay or none "
                              "(README: convergence)")
-    slow_link_fragments: int = knob(4, "with --dilocox-fragments 1: once a landed round shows the link holds a "
+    slow_link_fragments: int = knob(8, "with --dilocox-fragments 1: once a landed round shows the link holds a "
                                        "round sent whole at least half-way into the next one, sync as this many "
                                        "fragments from the next boundary on, with one-step-delay (the state "
                                        "carried over exactly); 1: never. Only with adaptive τ (overlap-steps 0) "

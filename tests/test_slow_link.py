@@ -43,13 +43,15 @@ def test_the_rule_asks_for_fragments_when_a_whole_round_lands_half_way_in_or_lat
 def test_make_sync_may_switch_only_where_fragments_are_allowed():
     params = [p.data for p in make_model(0).parameters()]
     shapes = [p.shape for p in params]
-    assert type(make_sync(params, DiLoCoXConfig(h=10))) is SlowLinkSync  # the default: 4 fragments on a slow link
+    assert type(make_sync(params, DiLoCoXConfig(h=10))) is SlowLinkSync  # the default: 8 fragments on a slow link
+    assert fragments_config(DiLoCoXConfig(h=10), shapes).fragments == 8
     to = fragments_config(DiLoCoXConfig(h=10, slow_link_fragments=4), shapes)
     assert (to.fragments, to.overlap, to.h, to.slow_link_fragments) == (4, "one-step-delay", 10, 4)
     for never in (dict(h=10, slow_link_fragments=1), dict(h=10, slow_link_fragments=4, overlap="none"),
                   dict(h=10, slow_link_fragments=4, link_budget=False),
                   dict(h=10, slow_link_fragments=4, overlap_steps=10),  # τ fixed: fragments would land as late
                   dict(h=10, h_min=3, slow_link_fragments=4),  # a fragment's round needs H >= F
+                  dict(h=7),  # the same for the default 8 fragments
                   dict(h=10, slow_link_fragments=4, on_peer_failure="continue"),  # a rejoin takes one round
                   dict(h=10, slow_link_fragments=200)):  # more fragments than the test network's rows
         assert type(make_sync(params, DiLoCoXConfig(**never))) is DiLoCoXSync, never

@@ -6,9 +6,14 @@ round sent whole fills most of the next one (on the ratio-325 link the start-up 
 transfers while training). Fragments pay there and cost on a fast link (main job's GPT, 1000 iterations):
 
     ratio-325 link:   unfragmented +4.76% vs AllReduce, F = 4 one-step-delay from the start +3.75%,
-                      switched here at iteration 75-79: +3.38% / +3.48% (+2.93% at an earlier commit)
+                      switched here to F = 4 at iteration 75-79: +3.38% / +3.48% (+2.93% at an earlier commit),
+                      to F = 8 (the default) at 95: +3.19%
     loopback, H = 50: F = 4 one-step-delay +0.44% (KJV) / +0.88% (docs) vs the unfragmented defaults; this
                       rule never switches there (a whole round lands a step after it leaves)
+
+Why eight: each fragment lands ~H/F steps after it leaves; at H = 100 with τ = H/F on loopback, F = 8 ties F = 4
+on the KJV (3.9806 vs 3.9801) and is lower on the Python docs (4.5482 vs 4.6270), for seven more 64-byte headers
+per round. F must stay <= --dilocox-h-min (10), so a fragment's round is never shorter than one step.
 
 So a run starts unfragmented; after each landing plan.link_holds_whole_rounds decides from the H, τ and rank
 every cluster agreed on, and at the next boundary the in-flight round lands and StreamingSync.take_over carves

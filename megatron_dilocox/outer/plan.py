@@ -21,7 +21,7 @@ TAU_MARGIN = 1.0
 SYNC_LANDING_STEPS = 0.5
 
 # --dilocox-slow-link-fragments switches once a round sent whole lands at least this far into the next one: one
-# landing at the round's end cost +1.6% (KJV) vs synchronous DiLoCo at H = 100 and F = 4 fragments +0.7%, where a
+# landing at the round's end cost +1.6% (KJV) vs synchronous DiLoCo at H = 100 and F = 4 fragments +0.6%, where a
 # landing in the first steps costs +0.1% and fragments on such a link +0.4-0.9% (README, "Convergence")
 SLOW_LINK_TAU_SHARE = 0.5
 
