@@ -203,6 +203,9 @@ class DiLoCoXOptimizer:
         with torch.no_grad():
             self.sync.finalize()
             self._refresh_model_params()
+        # done with the other clusters: stop the heartbeat now, not at exit, so that a cluster still evaluating
+        # when cluster 0 (the store's host) exits does not beat into a closed socket (torch logs a stack each try)
+        self.sync.close()
 
     # ------------------------------------------------------------------------------------ checkpoints
     def state_dict(self):
