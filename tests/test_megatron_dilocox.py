@@ -65,7 +65,8 @@ def test_two_clusters_tp1_pp2(corpus, tmp_path):
     # cluster 1 evaluates 20x longer, so it outlives cluster 0 (the inter-cluster store's host) by seconds: its
     # heartbeat stopped at the final flush, not at exit, so nothing beat into the closed store (torch logged a
     # "TCPStore.cpp ... recvValue failed" warning with a C++ stack on each try)
-    assert not [line for log in logs for line in log.lines if "TCPStore.cpp" in line], failure_report(logs)
+    store_warnings = [line for log in logs for line in log.lines if "TCPStore.cpp" in line]
+    assert not store_warnings, store_warnings[:4]
     # per-round metrics reach Megatron's tensorboard writer and (offline) wandb run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(f"{tmp_path}/tb_c0")
