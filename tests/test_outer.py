@@ -111,7 +111,7 @@ def test_state_dict_refuses_other_settings():
         "DiLoCoX checkpoint was written with different settings: ['lowrank', 'outer_lr', 'outer_lr_warmup_iters']; "
         "to resume it, run with the saved ones: --dilocox-no-lowrank --dilocox-outer-lr 0.7 "
         "--dilocox-outer-lr-warmup-iters 0 (in Python: lowrank=False, outer_lr=0.7, outer_lr_warmup_iters=0; now "
-        "lowrank=True, outer_lr=1.0, outer_lr_warmup_iters=None)")
+        "lowrank=True, outer_lr=None, outer_lr_warmup_iters=None)")
 
 
 def test_state_dict_from_before_a_knob_existed_loads_when_the_knob_is_at_its_default():
@@ -123,6 +123,18 @@ def test_state_dict_from_before_a_knob_existed_loads_when_the_knob_is_at_its_def
     warm = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4, outer_lr_warmup_iters=5)).start()
     with pytest.raises(ValueError, match=r"different settings: \['outer_lr_warmup_iters'\]"):
         warm.load_state_dict(old)
+
+
+def test_state_dict_from_when_the_outer_lr_default_was_a_number_loads_where_it_resolves_the_same():
+    """Before 2026-12-05 a checkpoint saved outer_lr = 1.0 when the flag was left out; now the default is None
+    (1.0 whole, 1.3 with fragments): such a checkpoint resumes where the default still means 1.0, not elsewhere."""
+    model = make_model(0)
+    old = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4)).start().state_dict()
+    old["config"]["outer_lr"] = 1.0
+    DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4)).start().load_state_dict(old)
+    other = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4, outer_lr=1.3)).start()
+    with pytest.raises(ValueError, match=r"different settings: \['outer_lr'\]; .* --dilocox-outer-lr 1.0"):
+        other.load_state_dict(old)
 
 
 def test_diverged_inner_training_raises_and_leaves_the_global_model():
@@ -272,7 +284,7 @@ def test_default_outer_lr_warmup_is_a_fifth_of_the_run_at_most_200_iterations():
     """The default warm-up follows the run: a fifth of train_iters, at most 200 (200 when unknown); an explicit
     value, 0 included, wins. The sync steps at the lr of the run length it was given."""
     cfg = DiLoCoXConfig()
-    assert cfg.outer_lr == 1.0 and cfg.outer_lr_warmup_iters is None
+    assert cfg.resolved_outer_lr == 1.0 and cfg.outer_lr_warmup_iters is None
     assert [cfg.resolved_outer_lr_warmup_iters(n) for n in (None, 16, 60, 200, 999, 1000, 5000)] == \
         [200, 3, 12, 40, 199, 200, 200]
     assert [cfg.outer_lr_at(i, 60) for i in (0, 6, 12, 13)] == [1 / 12, 0.5, 1.0, 1.0]

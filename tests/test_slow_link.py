@@ -17,6 +17,7 @@ from megatron_dilocox.metrics import read_rows
 from megatron_dilocox.outer import plan
 from megatron_dilocox.outer.auto import SlowLinkSync, fragments_config, make_sync
 from megatron_dilocox.outer.link import LinkRate
+from megatron_dilocox.outer.nesterov import OuterNesterov
 from megatron_dilocox.outer.streaming import StreamingSync
 from megatron_dilocox.outer.sync import DiLoCoXSync
 from tests import test_outer
@@ -47,6 +48,9 @@ def test_make_sync_may_switch_only_where_fragments_are_allowed():
     assert fragments_config(DiLoCoXConfig(h=10), shapes).fragments == 8
     to = fragments_config(DiLoCoXConfig(h=10, slow_link_fragments=4), shapes)
     assert (to.fragments, to.overlap, to.h, to.slow_link_fragments) == (4, "one-step-delay", 10, 4)
+    # the outer lr: 1.0 for whole rounds, 1.3 for the fragments (README: convergence), unless given
+    assert (DiLoCoXConfig(h=10).resolved_outer_lr, to.resolved_outer_lr) == (1.0, 1.3)
+    assert fragments_config(DiLoCoXConfig(h=10, outer_lr=0.9), shapes).resolved_outer_lr == 0.9
     for never in (dict(h=10, slow_link_fragments=1), dict(h=10, slow_link_fragments=4, overlap="none"),
                   dict(h=10, slow_link_fragments=4, link_budget=False),
                   dict(h=10, slow_link_fragments=4, overlap_steps=10),  # τ fixed: fragments would land as late
@@ -128,6 +132,23 @@ def test_a_switched_single_cluster_reproduces_plain_training(monkeypatch):
         (2, 4, 36, 38), (3, 4, 38, 40)]
     assert max(abs(a - b) for a, b in zip(losses, plain_losses)) < 1e-6  # (fp32 roundings: test_outer's bound)
     assert max(float((a - b).abs().max()) for a, b in zip(params, plain_params)) < 1e-6
+
+
+def test_outer_steps_after_the_switch_take_the_fragments_default_lr(monkeypatch):
+    """Default outer lr, no warm-up, H = 8, τ = 2, switch after round 2 (at 24): the rounds sent whole step at
+    1.0, every fragment's at 1.3; an explicit --dilocox-outer-lr holds on both sides."""
+    switch_after(monkeypatch, 2)
+    taken = []
+    step = OuterNesterov.step
+    monkeypatch.setattr(OuterNesterov, "step", lambda self, delta, lr=None: taken.append(lr) or step(self, delta, lr))
+    cfg = dict(h=8, lowrank=False, quant_bits=32, outer_lr_warmup_iters=0, adaptive_h=False, overlap_steps=2,
+               slow_link_fragments=4)
+    train(40, cfg)
+    # rounds 1-2 whole (eager: the shared step and the local correction's, each), rounds 3-4 as 4 fragments
+    assert taken == [1.0] * 4 + [1.3] * 8
+    taken.clear()
+    train(40, dict(cfg, outer_lr=0.9))
+    assert taken == [0.9] * 12
 
 
 @pytest.mark.parametrize("save_at", [17, 20, 27])

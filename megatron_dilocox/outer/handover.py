@@ -49,7 +49,7 @@ def receive(sync) -> ExchangeResult:
     pieces = iter(torch.split(flat, sizes))
     shapes = [p.shape for p in sync.params]
     sync.anchor = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]
-    sync.outer = OuterNesterov(sync.anchor, sync.cfg.outer_lr, sync.cfg.resolved_outer_momentum,
+    sync.outer = OuterNesterov(sync.anchor, sync.cfg.resolved_outer_lr, sync.cfg.resolved_outer_momentum,
                                sync.cfg.outer_nesterov)
     if head["has_momentum"]:
         sync.outer.buf = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]

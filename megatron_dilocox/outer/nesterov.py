@@ -53,7 +53,7 @@ class LocalCorrection:
     def __init__(self, shapes, config, device):
         self.value = [torch.zeros(s, dtype=torch.float32, device=device) for s in shapes]
         self.prev = [torch.zeros_like(v) for v in self.value]  # δ_{t−1} (zero before the first round)
-        self.opt = OuterNesterov(self.value, config.outer_lr, config.resolved_outer_momentum, config.outer_nesterov)
+        self.opt = OuterNesterov(self.value, config.resolved_outer_lr, config.resolved_outer_momentum, config.outer_nesterov)
         self.last_lr: Optional[float] = None
 
     @torch.no_grad()

@@ -53,6 +53,8 @@ def load(sync, state: dict):
     # a knob added since the checkpoint was written ran at its default then
     saved = state["config"] if "config" in state else state["fragments"][0]["config"]  # (streaming.py's state)
     theirs = {**{k: f.default for k, f in _FIELDS.items() if k in mine}, **saved}
+    if mine.get("outer_lr") is None and theirs.get("outer_lr") == sync.cfg.resolved_outer_lr:
+        theirs["outer_lr"] = None  # written when the default was a number (1.0, before 2026-12-05): the same lr
     diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if diff:
         raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}; to resume it, run "
@@ -65,7 +67,7 @@ def load(sync, state: dict):
     sync.link.seconds_per_byte = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)
     cfg, device = sync.cfg, sync.outer_device
     sync.anchor = [a.to(device, torch.float32).clone() for a in state["anchor"]]
-    sync.outer = OuterNesterov(sync.anchor, cfg.outer_lr, cfg.resolved_outer_momentum, cfg.outer_nesterov)
+    sync.outer = OuterNesterov(sync.anchor, cfg.resolved_outer_lr, cfg.resolved_outer_momentum, cfg.outer_nesterov)
     sync.outer.load_state_dict(state["outer"])
     sync.round_start = ([s.to(device, torch.float32).clone() for s in state["round_start"]]
                         if sync.delayed else sync.anchor)
