@@ -1,8 +1,8 @@
 """Side-by-side on a shaped link: AllReduce vs DiLoCo vs DiLoCo+compression vs DiLoCoX vs no communication.
 
 One invocation, the same small GPT (the main job's: 4 layers, hidden 128, TP1 PP2 per cluster), the same
-KJV corpus, the same tokens per method, 2 clusters each in its own network namespace behind a tbf-shaped
-link (scripts/wan/wan.py). Methods:
+corpus (the KJV; --corpus pydoc: the Python docs), the same tokens per method, 2 clusters each in its own
+network namespace behind a tbf-shaped link (scripts/wan/wan.py). Methods:
 
   ceiling      each cluster trains alone (no inter-cluster traffic): the throughput ceiling
   allreduce    ONE Megatron world spanning both namespaces (PP2 inside a cluster, DP2 across the link,
@@ -148,7 +148,9 @@ def main():
                                                "DiLoCo needs ~110 s per round at ratio 325: long runs skip it)")
     ap.add_argument("--dilocox-extra", default="", help="more flags for the dilocox method, e.g. "
                                                          "'--dilocox-fragments 4 --dilocox-overlap one-step-delay'")
-    ap.add_argument("--data", default=os.path.join(REPO, "data", "kjv"))
+    ap.add_argument("--corpus", default="kjv", choices=("kjv", "pydoc"),
+                    help="the KJV or the Python 3.11 documentation (megatron_dilocox.data.prepare)")
+    ap.add_argument("--data", default=None, help="where the corpus is built (default: data/<corpus>)")
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "wan"))
     a = ap.parse_args()
     iters = a.iters or (20 if a.quick else 100)
@@ -156,7 +158,8 @@ def main():
     ratio = a.paper_ratio or (20.0 if a.quick else 325.0)
     ar_steps = a.allreduce_steps or (3 if a.quick else 6)
     os.makedirs(a.out, exist_ok=True)
-    prepare(a.data, num_clusters=2)
+    a.data = a.data or os.path.join(REPO, "data", a.corpus)
+    prepare(a.data, num_clusters=2, corpus=a.corpus)
     per_cluster = gpt_flags(a.data, iters, 1, 2) + ["--log-interval", "5"] + SAME_EVAL
     results, curves = {}, {}
     tokens_per_iter = 8 * SEQ  # per cluster (global batch 8)
@@ -254,7 +257,7 @@ def main():
     for name in (n for n in ("diloco", "dilocox") if n in results):
         key = "speedup_vs_allreduce" if name == "dilocox" else "diloco_speedup_vs_allreduce"
         print(f"  {name:8s} predicted {predicted[key]:7.2f}x   measured {results[name]['ratio_vs_allreduce']:7.2f}x")
-    meta = dict(iters=iters, h=h, rank=a.rank, rate=rate, paper_ratio=ratio, step_seconds=step_s, predicted=predicted,
+    meta = dict(corpus=a.corpus, iters=iters, h=h, rank=a.rank, rate=rate, paper_ratio=ratio, step_seconds=step_s, predicted=predicted,
                 dense_fp32_per_allreduce=dense_per_allreduce, tokens_per_method=2 * tokens_per_iter * iters)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(dict(meta=meta, results=results, curves=curves), f, indent=1)
