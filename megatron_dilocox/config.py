@@ -104,8 +104,8 @@ class DiLoCoXConfig:
 
     # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
     outer_lr: Optional[float] = knob(None, "outer learning rate, reached after --dilocox-outer-lr-warmup-iters "
-                                           "(default 1.0; 1.3 with fragments: --dilocox-fragments, or after "
-                                           "the slow-link switch; README: convergence)")
+                                           "(default 1.0; 1.3 for fragments that overlap: --dilocox-fragments "
+                                           "with overlap, or after the slow-link switch; README: convergence)")
     outer_lr_warmup_iters: Optional[int] = knob(None, "inner iterations over which the outer lr rises linearly to "
                                                       "--dilocox-outer-lr (a round launched at iteration i steps at "
                                                       "lr x min(1, i / N)); default: a fifth of --train-iters, at "
@@ -186,14 +186,15 @@ class DiLoCoXConfig:
 
     @property
     def resolved_outer_lr(self) -> float:
-        """1.0 for whole rounds (DiLoCo's value; with the warm-up every H from 1 to 200 trains on both corpora).
-        1.3 for fragments: each fragment's update is applied ~H/F steps after it leaves, and a larger step makes
-        up part of what the delay costs. Main job's GPT, 1000 iterations, F = 8, H = 100: 1.3 vs 1.0 on loopback
+        """1.0 for whole rounds (DiLoCo's value; with the warm-up every H from 1 to 200 trains on both corpora)
+        and for synchronous fragments (overlap none: nothing lands late). 1.3 for overlapped fragments: each
+        fragment's update is applied ~H/F steps after it leaves, and a larger step makes up part of what the
+        delay costs. Main job's GPT, 1000 iterations, F = 8, H = 100: 1.3 vs 1.0 on loopback
         KJV -0.90% / -0.37%, docs +0.31% / -0.68% (seeds 1234 / 4321); on the ratio-325 link +2.35% vs +3.19%
         from AllReduce (+2.14% at 2000 iterations, against +2.77% before; README: convergence)."""
         if self.outer_lr is not None:
             return self.outer_lr
-        return OUTER_LR_FRAGMENTS if self.fragments > 1 else OUTER_LR
+        return OUTER_LR_FRAGMENTS if self.fragments > 1 and self.overlap != "none" else OUTER_LR
 
     @property
     def resolved_outer_momentum(self) -> float:

@@ -70,10 +70,11 @@ def test_defaults_and_resolved_bounds():
     assert DiLoCoXConfig(num_clusters=2, rendezvous="h:1", secret="s").resolved_local_weight == 0.75
     assert DiLoCoXConfig(overlap="one-step-delay").resolved_local_weight == 1.0
     assert DiLoCoXConfig(outer_momentum=0.0).resolved_outer_momentum == 0.0
-    # outer lr: 1.0 whole, 1.3 with fragments (README: convergence), unless given
+    # outer lr: 1.0 whole, 1.3 for fragments that overlap (README: convergence), unless given
     assert (cfg.outer_lr, cfg.resolved_outer_lr) == (None, 1.0)
     assert DiLoCoXConfig(h=8, fragments=8, overlap="one-step-delay").resolved_outer_lr == 1.3
     assert DiLoCoXConfig(h=8, fragments=8, overlap="one-step-delay", outer_lr=1.0).resolved_outer_lr == 1.0
+    assert DiLoCoXConfig(h=8, fragments=8, overlap="none").resolved_outer_lr == 1.0  # synchronous: none lands late
 
 
 def test_secret_comes_from_environment_and_never_leaves_public_views(monkeypatch):
