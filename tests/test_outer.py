@@ -127,7 +127,7 @@ def test_state_dict_from_before_a_knob_existed_loads_when_the_knob_is_at_its_def
 
 def test_state_dict_from_when_the_outer_lr_default_was_a_number_loads_where_it_resolves_the_same():
     """Before 2026-12-05 a checkpoint saved outer_lr = 1.0 when the flag was left out; now the default is None
-    (1.0 whole, 1.3 with fragments): such a checkpoint resumes where the default still means 1.0, not elsewhere."""
+    (1.0 whole, 1.3 for fragments that overlap): such a checkpoint resumes where the default still means 1.0, not elsewhere."""
     model = make_model(0)
     old = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4)).start().state_dict()
     old["config"]["outer_lr"] = 1.0

@@ -49,8 +49,7 @@ def receive(sync) -> ExchangeResult:
     pieces = iter(torch.split(flat, sizes))
     shapes = [p.shape for p in sync.params]
     sync.anchor = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]
-    sync.outer = OuterNesterov(sync.anchor, sync.cfg.resolved_outer_lr, sync.cfg.resolved_outer_momentum,
-                               sync.cfg.outer_nesterov)
+    sync.outer = OuterNesterov.from_config(sync.anchor, sync.cfg)
     if head["has_momentum"]:
         sync.outer.buf = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]
     codec.rank = rank

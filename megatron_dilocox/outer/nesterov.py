@@ -17,6 +17,11 @@ class OuterNesterov:
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.buf: Optional[list[torch.Tensor]] = None
 
+    @classmethod
+    def from_config(cls, anchor: Sequence[torch.Tensor], config) -> "OuterNesterov":
+        """The outer optimizer a DiLoCoXConfig asks for: its resolved lr and momentum, its Nesterov flag."""
+        return cls(anchor, config.resolved_outer_lr, config.resolved_outer_momentum, config.outer_nesterov)
+
     @torch.no_grad()
     def step(self, delta: Sequence[torch.Tensor], lr: Optional[float] = None):
         """``lr``: this step's learning rate (an outer-lr warm-up); None: the constructor's."""
@@ -53,7 +58,7 @@ class LocalCorrection:
     def __init__(self, shapes, config, device):
         self.value = [torch.zeros(s, dtype=torch.float32, device=device) for s in shapes]
         self.prev = [torch.zeros_like(v) for v in self.value]  # δ_{t−1} (zero before the first round)
-        self.opt = OuterNesterov(self.value, config.resolved_outer_lr, config.resolved_outer_momentum, config.outer_nesterov)
+        self.opt = OuterNesterov.from_config(self.value, config)
         self.last_lr: Optional[float] = None
 
     @torch.no_grad()

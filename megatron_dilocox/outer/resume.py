@@ -67,7 +67,7 @@ def load(sync, state: dict):
     sync.link.seconds_per_byte = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)
     cfg, device = sync.cfg, sync.outer_device
     sync.anchor = [a.to(device, torch.float32).clone() for a in state["anchor"]]
-    sync.outer = OuterNesterov(sync.anchor, cfg.resolved_outer_lr, cfg.resolved_outer_momentum, cfg.outer_nesterov)
+    sync.outer = OuterNesterov.from_config(sync.anchor, cfg)
     sync.outer.load_state_dict(state["outer"])
     sync.round_start = ([s.to(device, torch.float32).clone() for s in state["round_start"]]
                         if sync.delayed else sync.anchor)

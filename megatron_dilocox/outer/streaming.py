@@ -137,7 +137,7 @@ class StreamingSync:
             carve = lambda tensors: [piece_view(tensors[pc[0]], pc).clone() for pc in pieces]  # noqa: E731
             f.link = sync.link
             f.anchor, f.round_start = carve(sync.anchor), carve(sync.round_start)
-            f.outer = type(sync.outer)(f.anchor, config.resolved_outer_lr, sync.outer.momentum, sync.outer.nesterov)
+            f.outer = type(sync.outer).from_config(f.anchor, config)
             f.outer.buf = None if momentum is None else carve(momentum)
             f.codec.error = carve(error)
             f.codec.set_rank(sync.codec.rank, sync.round)

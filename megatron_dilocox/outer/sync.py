@@ -124,7 +124,7 @@ class DiLoCoXSync:
             for p, v in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
                 p.copy_(v.view_as(p))
         self.anchor = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
-        self.outer = OuterNesterov(self.anchor, self.cfg.resolved_outer_lr, self.cfg.resolved_outer_momentum, self.cfg.outer_nesterov)
+        self.outer = OuterNesterov.from_config(self.anchor, self.cfg)
         self._restart_round_at_anchor()
         if self.link_budget and self.link.seconds_per_byte == 0:  # (a fragment after the first: already probed)
             self.link.seconds_per_byte = probe_link(self.group, self.codec.payload_sizes(0)[0])
