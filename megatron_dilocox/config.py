@@ -26,7 +26,8 @@ H_MAX_FACTOR = 20
 # default --dilocox-outer-lr-warmup-iters: a fifth of the run, at most this many iterations (README: convergence)
 OUTER_LR_WARMUP_CAP = 200
 OUTER_LR_WARMUP_FRACTION = 0.2
-# default --dilocox-outer-lr: whole rounds / fragments (DiLoCoXConfig.resolved_outer_lr)
+# default --dilocox-outer-lr: whole rounds and synchronous fragments / fragments that overlap
+# (DiLoCoXConfig.resolved_outer_lr)
 OUTER_LR = 1.0
 OUTER_LR_FRAGMENTS = 1.3
 

@@ -17,9 +17,9 @@ on both (4.0547 vs 4.0635, 4.5127 vs 4.5172), for seven more 64-byte headers per
 (--dilocox-h-min, by default --dilocox-h), so a fragment's round is at least one step: a run below H = 8 never
 switches.
 
-Why a larger outer lr after the switch: DiLoCoXConfig.resolved_outer_lr is 1.3 for overlapping fragments (1.0 whole): each
-fragment's update lands ~H/F steps late, and the larger step recovers part of that (ratio-325 link, 1000
-iterations: +2.35% vs AllReduce, against +3.19% at 1.0).
+Why a larger outer lr after the switch: DiLoCoXConfig.resolved_outer_lr is 1.3 for overlapping fragments (1.0
+whole): each fragment's update lands ~H/F steps late, and the larger step recovers part of that (ratio-325 link,
+1000 iterations: +2.35% vs AllReduce, against +3.19% at 1.0).
 
 So a run starts unfragmented; after each landing plan.link_holds_whole_rounds decides from the H, τ and rank
 every cluster agreed on, and at the next boundary the in-flight round lands and StreamingSync.take_over carves
