@@ -66,7 +66,7 @@ class DiLoCoX:
         intra = self._intra or (TorchDistCluster() if in_world else SingleRank())
         group = self._group
         if group is None and self.config.num_clusters > 1:
-            from megatron_dilocox.topology import InterClusterGroup, connect_store
+            from megatron_dilocox.net.topology import InterClusterGroup, connect_store
             host = self._host_store if self._host_store is not None else (self.config.cluster_id == 0 and local_rank == 0)
             world = dist.get_world_size() if in_world else 1
             group = InterClusterGroup(self.config, local_rank, connect_store(self.config, host),

@@ -211,6 +211,19 @@ def _check_supported(args):
             raise SystemExit("--sequence-parallel needs the TE/Apex LayerNorm: GPU only")
 
 
+def _printable_help(extra_args_provider):
+    """megatron-core 0.19.2's ``--help`` dies with ValueError: a help string holds a bare ``%`` ("1.10 = 10%)"),
+    which argparse reads as a format. Escape such ``%`` once Megatron has added its flags, then add ours."""
+    import re
+
+    def provider(parser):
+        for action in parser._actions:
+            if action.help:
+                action.help = re.sub(r"%%|%\(\w+\)\w|%", lambda m: m[0] if len(m[0]) > 1 else "%%", action.help)
+        return extra_args_provider(parser) if extra_args_provider is not None else parser
+    return provider
+
+
 def main(extra_args_provider=None, install_hooks=None, args_defaults=None):
     """Parse Megatron's flags (plus ``extra_args_provider``'s), run ``install_hooks(args)``, train."""
     _prepare_runtime()
@@ -224,7 +237,7 @@ def main(extra_args_provider=None, install_hooks=None, args_defaults=None):
 
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
     args = parse_and_validate_args(
-        extra_args_provider=extra_args_provider, args_defaults=dict(args_defaults or {})
+        extra_args_provider=_printable_help(extra_args_provider), args_defaults=dict(args_defaults or {})
     )
     _check_supported(args)
     if install_hooks is not None:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from megatron_dilocox.rendezvous import listening
+from megatron_dilocox.net.rendezvous import listening
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

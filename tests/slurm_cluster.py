@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_dilocox.local_launch import free_port  # noqa: F401  (tests import it from here)
+from megatron_dilocox.harness.spawn import free_port  # noqa: F401  (tests import it from here)
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")

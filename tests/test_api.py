@@ -7,7 +7,7 @@ import torch
 
 from megatron_dilocox.api import DiLoCoX
 from megatron_dilocox.config import DiLoCoXConfig
-from megatron_dilocox.local_launch import free_port, run_clusters
+from megatron_dilocox.harness.spawn import free_port, run_clusters
 from tests.workers import batch, loss_fn, make_model, train_worker
 
 SECRET = "api-secret"

@@ -52,7 +52,7 @@ def test_flag_table_lists_every_flag():
 
 
 def test_main_job_passes_dilocox_flags_with_their_values():
-    from megatron_dilocox.main_job import split_dilocox_flags
+    from megatron_dilocox.harness.main_job import split_dilocox_flags
     mine, theirs = split_dilocox_flags(["--dilocox-outer-lr", "0.7", "--lr", "1e-3", "--dilocox-no-adaptive-h",
                                         "--seed", "3", "--dilocox-outer-momentum", "0.3"])
     assert mine == ["--dilocox-outer-lr", "0.7", "--dilocox-no-adaptive-h", "--dilocox-outer-momentum", "0.3"]

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dilocox.local_launch import free_port
+from megatron_dilocox.harness.spawn import free_port
 
 CFG = "megatron_dilocox.config.DiLoCoXConfigError: "  # last line of the traceback the user sees
 USAGE = "pretrain_gpt.py: error: "  # argparse's last line (prog = basename of pretrain_gpt.py)
@@ -226,7 +226,7 @@ def entry(monkeypatch, capsys):
     from megatron.training import global_vars
     from megatron.training.global_vars import unset_global_variables
 
-    import megatron_dilocox.topology as topology
+    import megatron_dilocox.net.topology as topology
     from megatron_dilocox import pretrain_gpt
 
     if not _ORIGINAL_DOCSTRINGS:
@@ -336,7 +336,7 @@ def _torchrun(flags, env):
 @pytest.fixture(scope="module")
 def e2e():
     """Run the E2E rows, the lone-cluster rank case and a two-cluster seed disagreement concurrently."""
-    from megatron_dilocox.launch import run
+    from megatron_dilocox.harness.launch import run
     env = {k: v for k, v in os.environ.items() if k != "DILOCOX_SECRET"}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     secret = "bad-input-" + secrets.token_hex(8)
@@ -353,7 +353,7 @@ def e2e():
     procs["moe-grouped-gemm"] = _torchrun(["--num-experts", "4", "--moe-grouped-gemm"], env)
     seeds = {}
 
-    def disagree():  # two real clusters via megatron_dilocox.launch, cluster 1 with another --seed
+    def disagree():  # two real clusters via megatron_dilocox.harness.launch, cluster 1 with another --seed
         seeds["codes"], seeds["logs"] = run(2, 1, megatron_flags(), ["--dilocox-timeout-seconds", "60"],
                                             per_cluster_args={1: ["--seed", "4321"]}, timeout=240, echo=False,
                                             env={"CUDA_VISIBLE_DEVICES": "", "DILOCOX_SECRET": secret})
@@ -413,8 +413,8 @@ def test_moe_grouped_gemm_on_cpu_stops_in_megatron_validation_naming_the_local_e
 def test_end_to_end_clusters_with_different_seed_are_refused_naming_it(e2e):
     codes, logs = e2e["seed"]["codes"], e2e["seed"]["logs"]
     assert codes[0] != 0 and codes[1] != 0
-    expected = ("megatron_dilocox.rendezvous.RendezvousError: DiLoCoX rendezvous: clusters disagree (local rank 0): "
-                "seed: cluster 0 has '1234', cluster 1 has '4321'")
+    expected = ("megatron_dilocox.net.rendezvous.RendezvousError: DiLoCoX rendezvous: clusters disagree "
+                "(local rank 0): seed: cluster 0 has '1234', cluster 1 has '4321'")
     for log in logs:  # once torch.distributed is up, torch prefixes a rank's traceback lines with "[rankN]: "
         assert expected in [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in log.lines], \
             "\n".join(log.lines[-20:])

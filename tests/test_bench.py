@@ -42,7 +42,7 @@ def test_tokens_per_s_counts_only_intervals_while_every_cluster_trains():
     sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))
     sys.path.insert(0, os.path.join(REPO, "scripts", "wan"))
     from wan_benchmark import together, tokens_per_s
-    from megatron_dilocox.launch import ClusterLog
+    from megatron_dilocox.harness.launch import ClusterLog
     early, late = ClusterLog(), ClusterLog()
     for it, wall, ms in [(1, 0.0, 500), (5, 0.8, 200), (10, 1.8, 200), (15, 5.3, 700), (20, 8.8, 700), (25, 12.3, 700),
                          (30, 16.0, 740)]:

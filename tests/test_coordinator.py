@@ -15,10 +15,10 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 
 from megatron_dilocox.config import DiLoCoXConfig
-from megatron_dilocox.local_launch import free_port, run_clusters
-from megatron_dilocox.membership import Membership
-from megatron_dilocox.rendezvous import PREFIX, RendezvousError, authenticate
-from megatron_dilocox.topology import InterClusterGroup, connect_store
+from megatron_dilocox.harness.spawn import free_port, run_clusters
+from megatron_dilocox.net.membership import Membership
+from megatron_dilocox.net.rendezvous import PREFIX, RendezvousError, authenticate
+from megatron_dilocox.net.topology import InterClusterGroup, connect_store
 from tests.coord_util import CoordinatorProcess
 from tests.workers import train_worker
 

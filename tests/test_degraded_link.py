@@ -2,7 +2,7 @@
 
 Real Megatron (the tiny GPT of tests/megatron_flags.py) on the KJV corpus, 2 clusters x 1 process, each in
 its own network namespace of the WAN testbed (scripts/wan/wan.py), DiLoCoX with the one-step delay and
-adaptive H. ``megatron_dilocox.launch.run`` blocks until the end, so it runs in a thread while the test
+adaptive H. ``megatron_dilocox.harness.launch.run`` blocks until the end, so it runs in a thread while the test
 watches the per-round metrics files (one row per round, appended and flushed at each boundary) and cuts /
 restores the rate with ``WanTestbed.set_rate`` when the rounds say so:
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dilocox.launch import run
+from megatron_dilocox.harness.launch import run
 from megatron_dilocox.metrics import ROUND_KEYS
 from tests.megatron_flags import failure_report, tiny_gpt_flags
 from tests.test_wan import _skip_reason  # the WAN testbed's own preconditions, one place

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dilocox.launch import start
-from megatron_dilocox.local_launch import free_port
+from megatron_dilocox.harness.launch import start
+from megatron_dilocox.harness.spawn import free_port
 from megatron_dilocox.metrics import read_rows
 from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
 from tests.test_wan import _skip_reason

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from megatron_dilocox.launch import start
-from megatron_dilocox.local_launch import free_port
+from megatron_dilocox.harness.launch import start
+from megatron_dilocox.harness.spawn import free_port
 from megatron_dilocox.metrics import read_rows
 from tests.coord_util import CoordinatorProcess
 from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags

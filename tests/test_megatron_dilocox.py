@@ -1,6 +1,6 @@
 """DiLoCoX inside real Megatron (``megatron.training.pretrain`` on CPU), real processes, the KJV corpus.
 
-Every run is ``megatron_dilocox.launch``: one torchrun world per cluster on this host, clusters meeting at
+Every run is ``megatron_dilocox.harness.launch``: one torchrun world per cluster on this host, clusters meeting at
 the authenticated rendezvous; each cluster reads its own shard (``train_c{k}``).
 """
 import json
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from megatron_dilocox.launch import run
+from megatron_dilocox.harness.launch import run
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
 from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags
 
@@ -197,7 +197,7 @@ def test_checkpoint_carries_dilocox_state_and_training_continues(corpus, tmp_pat
 
 
 def test_main_job_short(corpus, tmp_path):
-    """README command 1's job, shortened: runs, both clusters agree, bytes far below dense."""
+    """README command 1's job, shortened: runs, both clusters agree, bytes far below dense, draws its picture."""
     import subprocess
     import sys
     proc = subprocess.run([sys.executable, "-m", "megatron_dilocox.main_job", "--iters", "20", "--h", "5",
@@ -210,6 +210,18 @@ def test_main_job_short(corpus, tmp_path):
     # link probe at start): 4 B / (0.5 B + a 4 B scale per 128) = 7.53x below dense fp32 less headers, and no
     # round sends more (the summary rounds to 0.1: 7.5)
     assert summary["bytes_ratio_dense_over_sent"] >= 7.5 and summary["validation_loss"][0] < 8.0
+    # the picture: a PNG that opens, and the series it plotted (loss.json) are the SUMMARY's figures
+    from matplotlib.image import imread
+    assert summary["plot"] == str(tmp_path / "loss.png") and f"loss curves: {summary['plot']}" in proc.stdout
+    assert open(summary["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = imread(summary["plot"]).shape
+    assert height > 100 and width > 100
+    plotted = json.loads((tmp_path / "loss.json").read_text())["clusters"]
+    assert [c["validation"]["loss"][-1] for c in plotted] == summary["validation_loss"]
+    assert [c["validation"]["final"][-1] for c in plotted] == [True, True]
+    assert [[c["train"]["loss"][0], c["train"]["loss"][-1]] for c in plotted] == summary["train_loss_first_last"]
+    assert [c["validation"]["iteration"] for c in plotted] == [[10, 20, 20]] * 2  # --eval-interval 10, final
+    assert [c["train"]["tokens"][-1] for c in plotted] == [20 * 8 * 128] * 2  # iterations x global batch x seq
 
 
 def test_evaluation_measures_the_global_model(corpus, tmp_path):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_dilocox.launch import start
+from megatron_dilocox.harness.launch import start
 from megatron_dilocox.metrics import read_rows
 from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
 

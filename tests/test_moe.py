@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dilocox.launch import run, start
+from megatron_dilocox.harness.launch import run, start
 from megatron_dilocox.metrics import read_rows
 from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags
 

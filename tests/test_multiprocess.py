@@ -8,7 +8,7 @@ import torch
 
 from megatron_dilocox.compression.codec import HEADER_BYTES
 from megatron_dilocox.compression.quantize import payload_bytes
-from megatron_dilocox.local_launch import free_port, run_clusters
+from megatron_dilocox.harness.spawn import free_port, run_clusters
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
 from tests.workers import HIDDEN, IN, OUT, batch, loss_fn, make_model, rendezvous_worker, train_worker
 
@@ -167,8 +167,8 @@ def _nesterov(buf, g, mom):
 @pytest.mark.parametrize("overlap,alpha", [("one-step-delay", None), ("one-step-delay", 0.5), ("eager", None),
                                            ("eager", 0.5)])
 def test_delayed_overlap_variants_match_single_process_reference_round_by_round(overlap, alpha):
-    """2 clusters, Adam inner, Nesterov outer, no compression: the pseudo-code of DESIGN §1 replayed for each
-    overlap rule: θ ← φ − w δ_t (one-step-delay, w = 1 by default), θ ← φ + c_t with c the outer optimizer run
+    """2 clusters, Adam inner, Nesterov outer, no compression: the pseudo-code of docs/algorithm.md#the-round
+    replayed for each overlap rule: θ ← φ − w δ_t (one-step-delay, w = 1 by default), θ ← φ + c_t with c the outer optimizer run
     on w (δ_t − δ_{t−1}) (eager, w = 1/C by default: the last average with this cluster's stale term replaced
     by its fresh one)."""
     C, H, steps, lr_out, mom = 2, 3, 12, 0.7, 0.9
@@ -342,7 +342,7 @@ def test_free_port_lies_below_the_ephemeral_range_and_is_bindable():
     """Ports from bind(0) share the range outgoing connections draw source ports from; ours must not."""
     import socket
 
-    from megatron_dilocox.local_launch import _ephemeral_low
+    from megatron_dilocox.harness.spawn import _ephemeral_low
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50  # never the same port twice in one process
     assert all(1024 <= p < _ephemeral_low() for p in ports)

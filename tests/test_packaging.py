@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
-from megatron_dilocox.launch import run
+from megatron_dilocox.harness.launch import run
 from megatron_dilocox.metrics import read_rows
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """A cluster lost mid-run, for real: its processes are SIGKILLed while the others train and exchange.
 
 Separate processes, one gloo world per cluster, the authenticated inter-cluster group; the survivors
-must detect the loss within the timeout and follow --dilocox-on-peer-failure (membership.py): ``stop``
+must detect the loss within the timeout and follow --dilocox-on-peer-failure (net/membership.py): ``stop``
 drops the round on every survivor and stops; ``continue`` carries on with the survivors and lets a
 restarted cluster rejoin at a round boundary with the global state, after which all agree again.
 """
@@ -9,7 +9,7 @@ restarted cluster rejoin at a round boundary with the global state, after which 
 import pytest
 import torch
 
-from megatron_dilocox.local_launch import free_port, run_clusters
+from megatron_dilocox.harness.spawn import free_port, run_clusters
 from tests.workers import train_worker
 
 SECRET = "peer-failure-secret"

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dilocox.local_launch import free_port
+from megatron_dilocox.harness.spawn import free_port
 
 MEGATRON_ARGS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
                      virtual_pipeline_model_parallel_size=None, context_parallel_size=1, expert_model_parallel_size=1,
@@ -48,7 +48,7 @@ def _fingerprints(monkeypatch, args1=None, dilocox1=None, shapes1=None, version1
 def join_each(cluster: int, local_rank: int, cases: list) -> list:
     """In each case's own rendezvous, join as ``cluster`` with that fingerprint; 'joined' or the error."""
     from megatron_dilocox.config import DiLoCoXConfig
-    from megatron_dilocox.topology import InterClusterGroup, connect_store
+    from megatron_dilocox.net.topology import InterClusterGroup, connect_store
     results = []
     for case in cases:
         cfg = DiLoCoXConfig(num_clusters=2, cluster_id=cluster, rendezvous=case["rendezvous"], secret=case["secret"],
@@ -72,7 +72,7 @@ def disagreements():
     import megatron.core
 
     import megatron_dilocox
-    from megatron_dilocox.local_launch import run_clusters
+    from megatron_dilocox.harness.spawn import run_clusters
     mp = pytest.MonkeyPatch()
     version = megatron_dilocox.__version__
     core = megatron.core.__version__

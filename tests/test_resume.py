@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_dilocox.glue import checkpoints as ck
-from megatron_dilocox.launch import start
+from megatron_dilocox.harness.launch import start
 from megatron_dilocox.metrics import read_rows
 from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
 

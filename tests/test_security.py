@@ -1,6 +1,6 @@
 """The shared secret: it never leaks, and without it a peer can neither join nor send a payload.
 
-1. A real 2-cluster Megatron run (megatron_dilocox.launch, torchrun per cluster, TP1 PP2) with a distinctive random
+1. A real 2-cluster Megatron run (harness.launch, torchrun per cluster, TP1 PP2) with a distinctive random
    ``$DILOCOX_SECRET``, saving ``torch_dist`` checkpoints (``--save``, ``--save-interval``), the metrics JSONL,
    tensorboard events and an offline wandb run (``WANDB_MODE=offline``; Megatron puts its args into the wandb
    config). While it runs, every process of the run (found by a marker in its environment) has its
@@ -25,7 +25,7 @@ import time
 import zipfile
 
 
-from megatron_dilocox.local_launch import free_port
+from megatron_dilocox.harness.spawn import free_port
 
 # ------------------------------------------------------------------------------------------------------
 # 1. the secret never leaks from a real run
@@ -65,7 +65,7 @@ def _file_blobs(path: str):
 
 
 def test_secret_never_leaks_from_a_real_two_cluster_run(tmp_path):
-    from megatron_dilocox.launch import run
+    from megatron_dilocox.harness.launch import run
     from megatron_dilocox.metrics import read_rows
     from tests.test_bad_input import megatron_flags
 
@@ -146,7 +146,7 @@ def _peer(cluster: int, secret: str, rendezvous: str, value: float, attempts: in
     import torch
 
     from megatron_dilocox.config import DiLoCoXConfig
-    from megatron_dilocox.topology import InterClusterGroup, connect_store
+    from megatron_dilocox.net.topology import InterClusterGroup, connect_store
     torch.set_num_threads(1)
     if go is not None:  # imported and ready: start when told
         go.wait(120)

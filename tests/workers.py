@@ -16,7 +16,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
 from megatron_dilocox.outer.auto import make_sync
-from megatron_dilocox.topology import InterClusterGroup, connect_store
+from megatron_dilocox.net.topology import InterClusterGroup, connect_store
 
 IN, HIDDEN, OUT = 16, 32, 8
 

@@ -1,4 +1,4 @@
-"""The adaptation rules (DESIGN §3). Pure functions of values every cluster holds identically.
+"""The adaptation rules (docs/algorithm.md#adaptation). Pure functions of values every cluster holds identically.
 
 Rank: from the cumulative energy the current rank captures (summed over clusters), grow (double) when
 even the full rank keeps less than the threshold τ; shrink (at most by half per round) to the smallest

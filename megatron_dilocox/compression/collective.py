@@ -75,7 +75,7 @@ class Collective:
     joining = False
 
     def settle(self, round_idx: int, outcome: str, attempt_end: float) -> dict:
-        """The outcome every member agrees on for this round's exchange (see membership.py)."""
+        """The outcome every member agrees on for this round's exchange (see net/membership.py)."""
         if outcome != "ok":
             raise RuntimeError(f"DiLoCoX round {round_idx}: exchange failed ({outcome}) in a fixed group")
         return {"action": "commit", "admitted": [], "lost": [], "reason": ""}

@@ -44,7 +44,7 @@ from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
 from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.streaming import split_fragments
-from megatron_dilocox.topology import InterClusterGroup, connect_store
+from megatron_dilocox.net.topology import InterClusterGroup, connect_store
 
 log = logging.getLogger("megatron_dilocox")
 STATE_KEY = "dilocox"

@@ -1,6 +1,6 @@
 """Handing the global state to a cluster that rejoins mid-run (policy continue).
 
-Admission happens in the verdict of round t (membership.py), so the members hold: φ and the outer
+Admission happens in the verdict of round t (net/membership.py), so the members hold: φ and the outer
 momentum as they were *before* round t's Δ is applied, the committed Δ_t itself, the codec's Q after
 round t, the rank and H in use, and the iteration at which round t was launched. The joiner takes all
 of it, starts its error feedback at zero and its θ at φ, and then applies Δ_t exactly when the members

@@ -39,7 +39,7 @@ def probe_link(group, whole_payload_bytes: int) -> float:
     """Seconds per byte of the inter-cluster link (0: nothing to measure), agreed: the slowest cluster's figure,
     so that every cluster sizes rounds 1 and 2 alike. Without it they went at the initial rank before anything
     was measured: at H=50 the global model missed most of its first 100 iterations' progress until round 3
-    sent the error feedback (README, "Convergence")."""
+    sent the error feedback (docs/algorithm.md#the-link-budget)."""
     if group.size < 2:
         return 0.0
     # never more than a round sends (latency is not spread thinner), agreed first: a cluster of other settings

@@ -1,4 +1,4 @@
-"""What the next round looks like: H (its length), τ (when it lands) and the rank it sends (DESIGN §3).
+"""The next round's plan: H (its length), τ (when it lands), the rank it sends (docs/algorithm.md#adaptation).
 
 Decided after each landing from values every cluster received in the same payload, then agreed on inside the
 cluster (one value per cluster), so every rank of every cluster takes the same plan. Pure PyTorch.
@@ -22,7 +22,7 @@ SYNC_LANDING_STEPS = 0.5
 
 # --dilocox-slow-link-fragments switches once a round sent whole lands at least this far into the next one: one
 # landing at the round's end cost +1.6% (KJV) vs synchronous DiLoCo at H = 100 and F = 4 fragments +0.6%, where a
-# landing in the first steps costs +0.1% and fragments on such a link +0.4-0.9% (README, "Convergence")
+# landing in the first steps costs +0.1% and fragments on such a link +0.4-0.9% (benchmarks/NOTEBOOK.md)
 SLOW_LINK_TAU_SHARE = 0.5
 
 
@@ -35,7 +35,7 @@ def initial_tau(cfg, h: int) -> int:
     """τ of the rounds before a transfer is measured. Adaptive: 1, land as soon as possible. Landing the
     first two rounds at H instead leaves the global model a round behind early, when a round moves it
     most (H=50, 1000 Megatron iterations, final validation: docs 4.747 -> 4.700, KJV 4.063 -> 4.079;
-    README, "Convergence"). A transfer longer than a step then waits at step 1, twice per run."""
+    benchmarks/NOTEBOOK.md). A transfer longer than a step then waits at step 1, twice per run."""
     return 1 if cfg.overlap_steps == 0 else fixed_tau(cfg, h)
 
 
@@ -131,7 +131,7 @@ def whole_round(sync, result) -> Optional[tuple[int, int]]:
     On the ratio-325 link the rank-cut rounds (rank 9-16 at H = 10, error 0.84) ended level with no
     communication (+6.6%); whole first ran at H 81-108, +6.4%, faster and with fewer bytes. There the whole
     transfer fills most of the round, so each round lands at its end, which costs most of the gain
-    (benchmarks/results/convergence/README.md, "Fewer rounds sent whole")."""
+    (benchmarks/NOTEBOOK.md, "Fewer rounds sent whole")."""
     cfg = sync.cfg
     if not (cfg.adaptive_h and cfg.overlap_steps == 0):
         return None  # a fixed τ must hide the transfer in τ steps, however long the round

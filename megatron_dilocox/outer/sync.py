@@ -1,4 +1,4 @@
-"""The DiLoCoX round, as a hook after each inner optimizer step (DESIGN §1).
+"""The DiLoCoX round, as a hook after each inner optimizer step (docs/algorithm.md#the-round).
 
 θ are the fp32 parameters this rank's inner optimizer owns (updated in place); φ the global model
 (anchor); e the error feedback inside the codec.
@@ -47,7 +47,7 @@ import torch
 from megatron_dilocox.compression.codec import ExchangeResult, PayloadError, PseudoGradientCodec
 from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
-from megatron_dilocox.membership import PeerLostError
+from megatron_dilocox.net.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer import handover, plan, report, resume
 from megatron_dilocox.outer.link import LinkRate, probe_link
@@ -276,7 +276,7 @@ class DiLoCoXSync:
 
     # ------------------------------------------------------------------------------------------ pieces
     def _exchange(self, delta, round_idx, iteration) -> ExchangeResult:
-        """One round's exchange, committed only when every member agrees (membership.py); a failed
+        """One round's exchange, committed only when every member agrees (net/membership.py); a failed
         attempt leaves the codec as it was and, per the verdict, is retried by the survivors or dropped."""
         t0, wall0 = time.perf_counter(), time.time()
         # round 1 under the link budget is sized by the codec, from the probed rate and the step time in the

@@ -40,17 +40,19 @@ import torch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))  # provenance.py
 
 from megatron_dilocox.compression.codec import PseudoGradientCodec  # noqa: E402
 from megatron_dilocox.compression.collective import SoloCollective  # noqa: E402
 from megatron_dilocox.config import DiLoCoXConfig  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 # Megatron weight layout is [out, in]; ColumnParallel (QKV, FC1) splits rows by TP, RowParallel (proj, FC2)
 # splits columns by TP. Embedding / output layer live on the first / last stage only: a middle stage here.
 PRESETS = {
     # h 8192, FFN 28672 (GELU, no GLU), 64 heads MHA, 144 layers: 144 * 738M = 106.3B (+ 1.0B embeddings)
     "dense-107b": dict(hidden=8192, ffn=28672, heads=64, groups=64, swiglu=False, layers=144, tp=8, pp=16),
-    # the README's illustrative layout: h 8192, FFN 49152 SwiGLU, GQA 64/8, 80 layers: 80 * 1.36B = 108.6B
+    # docs/slurm.md's illustrative layout: h 8192, FFN 49152 SwiGLU, GQA 64/8, 80 layers: 80 * 1.36B = 108.6B
     "readme-107b": dict(hidden=8192, ffn=49152, heads=64, groups=8, swiglu=True, layers=80, tp=8, pp=10),
 }
 
@@ -157,6 +159,7 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="print the codec's top ops for the first config")
     ap.add_argument("--out", default=None, help="JSON results (default runs/bench/compression_micro-<time>.json)")
     a = ap.parse_args(argv)
+    prov = provenance()
     reps = a.reps or (1 if a.quick else 3)
     warmup = 0 if a.quick else 1
     p = PRESETS[a.preset]
@@ -338,7 +341,7 @@ def main(argv=None):
     out = a.out or os.path.join(REPO, "runs", "bench",
                                 f"compression_micro-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    result = {"script": "compression_micro", "args": vars(a), "preset": a.preset, "model": p,
+    result = {"script": "compression_micro", **prov, "args": vars(a), "preset": a.preset, "model": p,
               "total_params": total_params(p), "layers_per_stage": per_stage, "sim_layers": layers,
               "copy_bandwidth_Bps": bw0, "reps": reps, "warmup": warmup,
               "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),

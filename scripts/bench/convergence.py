@@ -1,6 +1,6 @@
 """Convergence at equal tokens on real Megatron: AllReduce vs DiLoCo variants vs DiLoCoX, at fixed H.
 
-The main job's small GPT (4 layers, hidden 128, seq 128; ``gpt_flags`` in megatron_dilocox/main_job.py),
+The main job's small GPT (4 layers, hidden 128, seq 128; ``gpt_flags`` in megatron_dilocox/harness/main_job.py),
 PP ``--pp`` (default 1: one process per cluster; the loss arithmetic does not depend on PP), 2 clusters,
 everything on loopback (no shaped link: this measures loss, not speed). Equal tokens per iteration:
 
@@ -46,10 +46,12 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))  # provenance.py
 
-from megatron_dilocox.launch import run  # noqa: E402
-from megatron_dilocox.main_job import gpt_flags  # noqa: E402
+from megatron_dilocox.harness.launch import run  # noqa: E402
+from megatron_dilocox.harness.main_job import gpt_flags  # noqa: E402
 from megatron_dilocox.metrics import read_rows  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 SEQ = 128
 CLUSTERS = 2
@@ -71,8 +73,8 @@ VALID_LINE = re.compile(r"validation loss at iteration (\d+)( on validation set)
 QUICK_GAP_BOUND = 0.10
 # --quick's ordering AllReduce <= DiLoCo ~ DiLoCoX: AllReduce may not end above DiLoCo by more than ORDER_NOISE
 # (at 60 iterations it is 2% below: equal tokens, synchronous); DiLoCoX within QUICK_DILOCOX_BOUND of DiLoCo
-# (measured at 60 iterations, H=10: +1.1%; at 1000 iterations the gap is several times that, README
-# "Convergence", so 5% catches a broken overlap or codec, not the remaining degradation)
+# (measured at 60 iterations, H=10: +1.1%; at 1000 iterations, at the low rank of the time, several times that,
+# benchmarks/NOTEBOOK.md; so 5% catches a broken overlap or codec, not the remaining degradation)
 ORDER_NOISE, QUICK_DILOCOX_BOUND = 0.01, 0.05
 
 
@@ -344,7 +346,7 @@ def main(argv=None):
         "--seed", str(a.seed)]
     print(f"# convergence: {iters} iterations, {TOKENS_PER_ITER} tokens/iteration per method, H {hs}, "
           f"methods {names}, corpus {a.corpus}, PP{a.pp}, out {out}", flush=True)
-    results, t_all = [], time.time()
+    results, t_all, prov = [], time.time(), provenance()
 
     def save():
         meta = dict(iters=iters, hs=hs, methods={n: methods[n] for n in names}, corpus=a.corpus, data=a.data,
@@ -352,7 +354,7 @@ def main(argv=None):
                     tokens_per_iteration=TOKENS_PER_ITER, tokens_per_method=iters * TOKENS_PER_ITER,
                     megatron_flags=flags, model_flags=a.model_flags, wall_seconds=round(time.time() - t_all, 1), quick=a.quick)
         with open(os.path.join(out, "results.json"), "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=1)
+            json.dump(dict(meta=meta, results=results, **prov), f, indent=1)
 
     for n in names:
         for h in ([None] if methods[n] is None else hs):

@@ -26,10 +26,12 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))  # provenance.py
 
 import torch  # noqa: E402
 
-from megatron_dilocox.local_launch import free_port, run_clusters  # noqa: E402
+from megatron_dilocox.harness.spawn import free_port, run_clusters  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 PYDOC = "/usr/share/doc/python3.11/html/_sources"
 
@@ -183,10 +185,11 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
     a = ap.parse_args(argv)
+    prov = provenance()
     base = {k: v for k, v in vars(a).items() if k not in ("variant", "out")}
     for text in a.variant or ["allreduce"]:
         name, variant = parse_variant(text)
-        r = dict(run_variant(name, variant, base), corpus=a.corpus, steps=a.steps)
+        r = dict(run_variant(name, variant, base), corpus=a.corpus, steps=a.steps, **prov)
         print(f"{name:28s} final val {r['final']:.4f}  rounds {r['rounds']:4d}  bytes/round {r['bytes_per_round']:9d}"
               f"  rel.err {r['mean_rel_error']:.3f} ranks {r['ranks']}  {r['seconds']:.0f}s  "
               f"curve {[round(v, 3) for _, v in r['curve']]}", flush=True)

@@ -1,7 +1,7 @@
 """Inner-step overhead of DiLoCoX inside real Megatron (CPU), against plain Megatron, in one invocation.
 
 Three configurations of the same small GPT on the KJV corpus, each a real ``megatron.training.pretrain``
-run started by ``megatron_dilocox.launch.run`` (one cluster, ``--nproc`` processes):
+run started by ``megatron_dilocox.harness.launch.run`` (one cluster, ``--nproc`` processes):
 
   plain      no --dilocox (the entry is plain Megatron)
   none       --dilocox --dilocox-num-clusters 1 --dilocox-overlap none          (no rendezvous at C=1)
@@ -36,10 +36,12 @@ import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))  # provenance.py
 
 from megatron_dilocox.glue.cpu_backend import CPU_FLAGS  # noqa: E402
-from megatron_dilocox.launch import run  # noqa: E402
+from megatron_dilocox.harness.launch import run  # noqa: E402
 from megatron_dilocox.metrics import read_rows  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 CONFIGS = ("plain", "none", "delay")
 CLASSES = ("between", "mid", "after", "boundary")
@@ -116,6 +118,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=900, help="seconds per Megatron run")
     ap.add_argument("--out", default=None, help="JSON results (default runs/bench/step_overhead-<time>.json)")
     a = ap.parse_args(own)
+    prov = provenance()
     reps = a.reps or (1 if a.quick else 3)
     iters = a.iters or (20 if a.quick else 40)
     if iters % a.h:
@@ -222,7 +225,7 @@ def main(argv=None):
     out = a.out or os.path.join(REPO, "runs", "bench", f"step_overhead-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"script": "step_overhead", "args": vars(a), "extra_megatron_flags": extra, "iters": iters,
+        json.dump({"script": "step_overhead", **prov, "args": vars(a), "extra_megatron_flags": extra, "iters": iters,
                    "reps": reps, "params_per_rank": params, "megatron_flags": base,
                    "env": {"cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1,
                            "wall_s": time.time() - t_start},

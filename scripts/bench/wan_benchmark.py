@@ -39,14 +39,16 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))  # provenance.py
 sys.path.insert(0, os.path.join(REPO, "scripts", "wan"))
 
 from megatron_dilocox.data.prepare import prepare  # noqa: E402
-from megatron_dilocox.launch import run  # noqa: E402
-from megatron_dilocox.local_launch import free_port  # noqa: E402
-from megatron_dilocox.main_job import gpt_flags  # noqa: E402
+from megatron_dilocox.harness.launch import run  # noqa: E402
+from megatron_dilocox.harness.spawn import free_port  # noqa: E402
+from megatron_dilocox.harness.main_job import gpt_flags  # noqa: E402
 from megatron_dilocox.metrics import read_rows  # noqa: E402
 from wan import WanTestbed  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 SEQ = 128
 # every method evaluates the same 10 x 16 validation samples (a cluster's own global batch is 8: without this
@@ -107,7 +109,7 @@ def allreduce_run(wan, flags, iters, timeout=3600, shaped=True):
     import subprocess
     import threading
 
-    from megatron_dilocox.launch import ClusterLog, _pump
+    from megatron_dilocox.harness.launch import ClusterLog, _pump
     port = free_port()
     procs, logs, threads = [], [], []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **GLOO_IF)
@@ -142,7 +144,8 @@ def main():
                     help="dense fp32 all-reduce time / inner step time to emulate (default 325; --quick 20)")
     ap.add_argument("--rank", type=int, default=6,
                     help="low-rank rank of the compressed methods (default 6: the smallest whose validation loss "
-                         "stays within 1%% of uncompressed DiLoCo on this model, see benchmarks/results/README.md)")
+                         "stays within 1%% of uncompressed DiLoCo on this model, "
+                         "see docs/benchmarks.md#the-main-jobs-rank)")
     ap.add_argument("--allreduce-steps", type=int, default=None, help="AllReduce steps timed on the shaped link")
     ap.add_argument("--skip", default="", help="comma-separated methods not to run, of diloco,diloco_comp (uncompressed "
                                                "DiLoCo needs ~110 s per round at ratio 325: long runs skip it)")
@@ -153,6 +156,7 @@ def main():
     ap.add_argument("--data", default=None, help="where the corpus is built (default: data/<corpus>)")
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "wan"))
     a = ap.parse_args()
+    prov = provenance()  # the code that runs, taken before it runs
     iters = a.iters or (20 if a.quick else 100)
     h = a.h or (5 if a.quick else 10)
     ratio = a.paper_ratio or (20.0 if a.quick else 325.0)
@@ -216,7 +220,7 @@ def main():
             print(f"# {name}: validation {results[name]['valid_loss']:.4f}, exposed "
                   f"{results[name]['exposed_comm_seconds']:.1f} s of {wall:.0f} s", flush=True)
             with open(os.path.join(a.out, "results.partial.json"), "w") as f:
-                json.dump(dict(results=results, curves=curves), f, indent=1)
+                json.dump(dict(results=results, curves=curves, **prov), f, indent=1)
 
         # 3) AllReduce: throughput on the shaped link over a few steps; loss from the same run unshaped
         ar_flags = gpt_flags(a.data, ar_steps, 1, 2) + ["--log-interval", "1", "--use-tp-pp-dp-mapping",
@@ -260,7 +264,7 @@ def main():
     meta = dict(corpus=a.corpus, iters=iters, h=h, rank=a.rank, rate=rate, paper_ratio=ratio, step_seconds=step_s, predicted=predicted,
                 dense_fp32_per_allreduce=dense_per_allreduce, tokens_per_method=2 * tokens_per_iter * iters)
     with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(dict(meta=meta, results=results, curves=curves), f, indent=1)
+        json.dump(dict(meta=meta, results=results, curves=curves, **prov), f, indent=1)
     plot(a.out, results, curves, tokens_per_iter)
     if a.quick:
         d = results["dilocox"]

@@ -3,7 +3,7 @@
 C clusters (one torchrun each, real Megatron on the KJV corpus, ``--dilocox-on-peer-failure continue``)
 train for ``--iters`` iterations. At random iterations a random rank of a random cluster is SIGKILLed
 (torchrun takes the rest of that cluster down); after a random pause the cluster is started again with its
-usual command and rejoins (README: "When a cluster fails"). With the embedded coordinator cluster 0 is
+usual command and rejoins (docs/fault_tolerance.md#rejoin). With the embedded coordinator cluster 0 is
 never a victim (it hosts the store); with ``--coordinator standalone`` (``python -m
 megatron_dilocox.coordinator``) any cluster is, cluster 0 at least 3 times and the coordinator itself at
 least twice when there are 10 faults or more (SIGKILL, restart at the same address after a pause). One
@@ -40,12 +40,14 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))  # provenance.py
 
-from megatron_dilocox.launch import start  # noqa: E402
-from megatron_dilocox.local_launch import free_port  # noqa: E402
-from megatron_dilocox.main_job import gpt_flags  # noqa: E402
+from megatron_dilocox.harness.launch import start  # noqa: E402
+from megatron_dilocox.harness.spawn import free_port  # noqa: E402
+from megatron_dilocox.harness.main_job import gpt_flags  # noqa: E402
 from megatron_dilocox.metrics import read_rows  # noqa: E402
-from megatron_dilocox.rendezvous import listening  # noqa: E402
+from megatron_dilocox.net.rendezvous import listening  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 
 def dilocox_flags(out: str, h: int, timeout: float) -> list[str]:
@@ -57,6 +59,7 @@ def dilocox_flags(out: str, h: int, timeout: float) -> list[str]:
 class Soak:
     def __init__(self, a):
         self.a = a
+        self.prov = provenance()
         self.rng = random.Random(a.seed)
         self.port = free_port()
         # NO_VCS_VERSION: Megatron appends the git HEAD of the checkout it is installed in to its version, which
@@ -298,7 +301,7 @@ class Soak:
         detect = [f["detection_s"] for f in self.faults if f["detection_s"] is not None]
         back = [f["rejoined_after_s"] for f in self.faults if f["rejoined_after_s"] is not None]
         summary = {
-            "coordinator": a.coordinator, "clusters": a.clusters,
+            **self.prov, "coordinator": a.coordinator, "clusters": a.clusters,
             "faults_by_victim": {str(k): sum(f["cluster"] == k for f in self.faults)
                                  for k in list(range(a.clusters)) + ["coordinator"]},
             "faults_by_moment": {m: sum(f.get("moment", "mid-round").startswith(m) for f in self.faults)

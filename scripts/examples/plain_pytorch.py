@@ -10,8 +10,7 @@ import argparse
 
 import torch
 
-from megatron_dilocox.api import DiLoCoX
-from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox import DiLoCoX, DiLoCoXConfig
 
 
 def main():

@@ -20,11 +20,13 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))  # provenance.py
 
 from megatron_dilocox.glue.cpu_backend import CPU_FLAGS  # noqa: E402  (imports no megatron)
-from megatron_dilocox.launch import run  # noqa: E402
+from megatron_dilocox.harness.launch import run  # noqa: E402
 from megatron_dilocox.metrics import read_rows  # noqa: E402
 from megatron_dilocox.sim import cost_model  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 SIZES = {  # (hidden, layers, heads, seq, iters, H, micro batch, global batch)
     "gpu": dict(hidden=512, layers=8, heads=8, seq=512, iters=60, h=10, mbs=4, gbs=32),
@@ -137,6 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="where runs write metrics (default: a temporary directory)")
     ap.add_argument("--configs", default="dense,moe")
     args = ap.parse_args(argv)
+    prov = provenance()
     gpu = not args.cpu
     if gpu:
         import torch
@@ -176,7 +179,7 @@ def main(argv=None) -> int:
                         "closed_form_bytes": [sum(x["round_bytes"] for x in lay.values()) for lay in result["layouts"]],
                         "first_last_loss": [[ls.get(1), ls.get(size["iters"])] for ls in result["losses"]],
                         "problems": bad})
-    print("VALIDATE " + json.dumps({"device": "gpu" if gpu else "cpu", "ok": not failed, "results": results}))
+    print("VALIDATE " + json.dumps({"device": "gpu" if gpu else "cpu", "ok": not failed, **prov, "results": results}))
     return 1 if failed else 0
 
 

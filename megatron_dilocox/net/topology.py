@@ -12,7 +12,7 @@ never sent): cluster 0 posts a nonce, each peer answers with HMAC(secret, nonce,
 and cluster 0 proves itself back. A peer with a wrong secret is refused with a clear error and cluster 0
 keeps waiting for the right one until the timeout. Then every cluster posts a fingerprint (settings,
 layout, versions) and all compare it with cluster 0's, naming any difference. Gloo traffic itself is
-not encrypted: run the inter-cluster link over a VPN (README, threat model).
+not encrypted: run the inter-cluster link over a VPN (docs/security.md).
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from megatron_dilocox.compression.collective import Collective
 from megatron_dilocox.config import DiLoCoXConfig
-from megatron_dilocox.membership import Heartbeat, Membership, PeerLostError
-from megatron_dilocox.rendezvous import CONNECT_GRACE, RendezvousError, authenticate, find_coordinator, listening
-from megatron_dilocox.rendezvous import mac as _mac
+from megatron_dilocox.net.membership import Heartbeat, Membership, PeerLostError
+from megatron_dilocox.net.rendezvous import CONNECT_GRACE, RendezvousError, authenticate, find_coordinator, listening
+from megatron_dilocox.net.rendezvous import mac as _mac
 
 log = logging.getLogger("megatron_dilocox")
 __all__ = ["InterClusterGroup", "RendezvousError", "connect_store"]

@@ -26,12 +26,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from megatron_dilocox.local_launch import free_port
+from megatron_dilocox.harness.spawn import free_port
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+).*?elapsed time per iteration \(ms\): ([\d.]+).*?"
                      r"global batch size:\s+(\d+).*?lm loss: ([\d.Ee+-]+)")
 GRAD_NORM_RE = re.compile(r"\| grad norm: ([^\s|]+) \|")
 VALID_RE = re.compile(r"validation loss at .*?lm loss value: ([\d.Ee+-]+)")
+VALID_AT_RE = re.compile(r"validation loss at iteration (\d+)( on validation set)?")  # periodic, or the final one
 
 
 @dataclass
@@ -44,6 +45,7 @@ class ClusterLog:
     iter_wall: dict = field(default_factory=dict)  # iteration -> time.time() when its line arrived
     global_batch: int = 0
     valid_losses: list = field(default_factory=list)
+    valid_at: list = field(default_factory=list)  # (iteration, final?) of each valid_losses entry
     ended: bool = False  # the output stream closed (the cluster's torchrun exited)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
 
@@ -63,6 +65,8 @@ class ClusterLog:
             m = VALID_RE.search(line)
             if m:
                 self.valid_losses.append(float(m.group(1)))
+                at = VALID_AT_RE.search(line)
+                self.valid_at.append((int(at.group(1)), bool(at.group(2))) if at else (None, False))
             self._cond.notify_all()
 
     def end(self):

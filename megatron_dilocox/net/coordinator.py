@@ -31,8 +31,8 @@ from typing import Optional
 from torch.distributed import TCPStore
 
 from megatron_dilocox.config import SECRET_ENV
-from megatron_dilocox.membership import Membership
-from megatron_dilocox.rendezvous import PREFIX, RendezvousError, client, listening, mac, role, split
+from megatron_dilocox.net.membership import Membership
+from megatron_dilocox.net.rendezvous import PREFIX, RendezvousError, client, listening, mac, role, split
 
 log = logging.getLogger("megatron_dilocox.coordinator")
 SHAPE = ("num_clusters", "local_world", "policy")  # what every request must agree on

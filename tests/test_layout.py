@@ -1,0 +1,215 @@
+"""The package's layout holds: who imports Megatron, which rooms stay pure, no import cycles, the public surface.
+
+Read from the source with ``ast`` (nothing is imported for the scan). An import counts wherever it stands:
+at module level or inside a function (Megatron is imported lazily, inside functions, all over ``glue/`` and
+``pretrain_gpt``, so a module-level-only scan would miss most of it). ``from megatron_dilocox.x import y``
+is an edge to ``x.y`` when ``y`` is a submodule, else to ``x``; importing a submodule is not counted as an
+edge to its parent packages (Python initialises those first, whatever the submodule imports).
+
+Cycles are checked on two graphs: module-level imports (what runs when a module is imported: a cycle here
+can fail at import time, depending on which module comes first) and all imports (function-level ones too:
+a cycle there cannot fail at import time, but it still ties two rooms together). Both are empty today.
+"""
+import ast
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "megatron_dilocox"
+
+# Every module that imports ``megatron`` (directly, at any level). Megatron is a dependency of the Megatron
+# entry and its glue only; data/prepare.py uses megatron-core's IndexedDatasetBuilder to write the corpus'
+# .bin/.idx files exactly as Megatron reads them.
+IMPORTS_MEGATRON = {
+    "megatron_dilocox.pretrain_gpt",
+    "megatron_dilocox.data.prepare",
+    "megatron_dilocox.glue.checkpoint_fixes",
+    "megatron_dilocox.glue.checkpoints",
+    "megatron_dilocox.glue.cpu_backend",
+    "megatron_dilocox.glue.explicit",
+    "megatron_dilocox.glue.moe_fixes",
+    "megatron_dilocox.glue.seam",
+}
+PURE_ROOMS = ("megatron_dilocox.outer", "megatron_dilocox.compression", "megatron_dilocox.net")
+ENTRIES = ("coordinator", "launch", "main_job", "sim", "pretrain_gpt")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+class _Imports(ast.NodeVisitor):
+    """(imported name, at module level?) for every import statement of one module."""
+
+    def __init__(self, module: str, is_package: bool):
+        self.package = module if is_package else module.rpartition(".")[0]
+        self.found: list[tuple[str, bool]] = []
+        self._depth = 0
+
+    def _function(self, node):
+        self._depth += 1
+        self.generic_visit(node)
+        self._depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def visit_Import(self, node):
+        self.found += [(alias.name, self._depth == 0) for alias in node.names]
+
+    def visit_ImportFrom(self, node):
+        base = node.module or ""
+        if node.level:  # relative: resolve against this module's package
+            anchor = self.package.split(".")
+            anchor = anchor[:len(anchor) - (node.level - 1)]
+            base = ".".join(anchor + ([base] if base else []))
+        for alias in node.names:
+            # a submodule if one exists by that name, else a name defined in ``base``
+            sub = f"{base}.{alias.name}"
+            self.found.append((sub if sub in MODULES else base, self._depth == 0))
+
+
+def imports_of(module: str) -> list[tuple[str, bool]]:
+    path = MODULES[module]
+    visitor = _Imports(module, path.name == "__init__.py")
+    visitor.visit(ast.parse(path.read_text(), filename=str(path)))
+    return visitor.found
+
+
+IMPORTS = {m: imports_of(m) for m in MODULES}
+
+
+def graph(module_level_only: bool) -> dict[str, set[str]]:
+    """Edges between megatron_dilocox modules."""
+    return {m: {name for name, top in found if name in MODULES and name != m and (top or not module_level_only)}
+            for m, found in IMPORTS.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def reachable(start: str, edges: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in edges[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def in_room(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def test_the_scan_sees_the_package():
+    assert len(MODULES) > 40 and "megatron_dilocox.net.topology" in MODULES
+    assert ("megatron_dilocox.net.membership", True) in IMPORTS["megatron_dilocox.net.topology"]
+    assert ("megatron.core", False) in IMPORTS["megatron_dilocox.pretrain_gpt"]  # import mpu, in a def
+
+
+def test_every_folder_is_a_package():
+    """setup.py's ``find_packages`` ships only folders with an ``__init__.py``: a namespace folder would work
+    from a checkout and be missing from a non-editable install (the Docker image)."""
+    from setuptools import find_packages
+    shipped = set(find_packages(str(ROOT), include=["megatron_dilocox", "megatron_dilocox.*"]))
+    assert shipped == {module_name(p.parent / "__init__.py") for p in PKG.rglob("*.py")}
+
+
+def test_exactly_these_modules_import_megatron():
+    found = {m for m, imported in IMPORTS.items() if any(name.split(".")[0] == "megatron" for name, _ in imported)}
+    assert found == IMPORTS_MEGATRON
+
+
+def test_megatron_is_imported_inside_functions_only():
+    """Importing any module stays cheap: torch_dist checkpoint saving re-imports the ``-m`` module
+    (``pretrain_gpt``) in a helper process, and the CPU backend must patch torch before Megatron loads."""
+    assert [(m, name) for m, imported in IMPORTS.items() for name, top in imported
+            if top and name.split(".")[0] == "megatron"] == []
+
+
+def test_outer_compression_net_reach_neither_megatron_nor_glue():
+    """Not directly, and not through any module they import (at any level)."""
+    edges = graph(module_level_only=False)
+    for m in MODULES:
+        if any(in_room(m, room) for room in PURE_ROOMS):
+            reached = reachable(m, edges) | {m}
+            assert not reached & IMPORTS_MEGATRON, (m, sorted(reached & IMPORTS_MEGATRON))
+            assert not any(in_room(r, "megatron_dilocox.glue") for r in reached), m
+
+
+def test_sim_is_pure_python():
+    """The cost model runs where torch does not (its docstring says so): no torch, no megatron."""
+    edges = graph(module_level_only=False)
+    for m in MODULES:
+        if in_room(m, "megatron_dilocox.sim"):
+            for r in reachable(m, edges) | {m}:
+                tops = {name.split(".")[0] for name, _ in IMPORTS[r]}
+                assert not tops & {"torch", "megatron"}, (m, r)
+
+
+@pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "all-imports"])
+def test_no_import_cycles(module_level_only):
+    assert cycles(graph(module_level_only)) == []
+
+
+def test_the_cycle_finder_finds_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_public_surface():
+    from megatron_dilocox import DiLoCoX, DiLoCoXConfig
+    from megatron_dilocox.api import DiLoCoX as api_DiLoCoX
+    from megatron_dilocox.config import DiLoCoXConfig as config_DiLoCoXConfig
+    assert DiLoCoX is api_DiLoCoX and DiLoCoXConfig is config_DiLoCoXConfig
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_public_entry_prints_its_help(entry):
+    """Every ``python -m megatron_dilocox.<entry>`` the README, scripts, Dockerfile and tests use. pretrain_gpt
+    imports Megatron for its flags (about 6 s here; megatron-core 0.19.2's own --help needs the fix in
+    ``pretrain_gpt._printable_help``)."""
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", f"megatron_dilocox.{entry}", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "usage:" in res.stdout
+    if entry == "pretrain_gpt":
+        assert "--dilocox-h " in res.stdout, "the --dilocox-* flags are part of the entry's help"
+    print(f"{entry} --help: {time.monotonic() - t0:.1f} s")
