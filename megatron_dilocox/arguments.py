@@ -1,10 +1,10 @@
 """``--dilocox-*`` flags for Megatron's ``extra_args_provider``, generated from ``DiLoCoXConfig``.
 
 Every config field becomes one flag (``lowrank_rank`` -> ``--dilocox-lowrank-rank``; booleans get a
-``--dilocox-no-*`` form), with the help text of the field, so the flags, the config and the README
-table cannot drift apart. ``--dilocox`` turns DiLoCoX on; without it the run is plain Megatron, and any
-other ``--dilocox-*`` flag is an error (it would otherwise be silently ignored). The secret is never a
-flag: it comes from ``$DILOCOX_SECRET``.
+``--dilocox-no-*`` form), with the help text of the field, so the flags, the config and the flag
+table in docs/configuration.md cannot drift apart. ``--dilocox`` turns DiLoCoX on; without it the run is
+plain Megatron, and any other ``--dilocox-*`` flag is an error (it would otherwise be silently ignored).
+The secret is never a flag: it comes from ``$DILOCOX_SECRET``.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def config_from_args(args) -> Optional[DiLoCoXConfig]:
 
 
 def flag_table() -> str:
-    """Markdown table of every flag, default and meaning (the README embeds it; a test compares)."""
+    """Markdown table of every flag, default and meaning (docs/configuration.md embeds it; a test compares)."""
     rows = ["| flag | default | meaning |", "|---|---|---|", "| `--dilocox` | off | enable DiLoCoX |"]
     for f, base in _fields():
         name = f"`{flag_name(f.name)}`"

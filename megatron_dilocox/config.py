@@ -1,7 +1,7 @@
 """Every DiLoCoX knob in one dataclass.
 
 The Megatron flags (``--dilocox-*``) map one-to-one onto these fields; the core library (``outer/``,
-``compression/``, ``topology.py``) takes nothing else. ``validate()`` is called before any process group
+``compression/``, ``net/``) takes nothing else. ``validate()`` is called before any process group
 is made, so a bad value stops the run with a message that names the flag and what to change.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ SECRET_ENV = "DILOCOX_SECRET"
 # to send them whole rather than cut the rank (outer/plan.py). On the ratio-325 link the main job's whole int4
 # round took 18.1 s of 0.316 s steps, so at --dilocox-h 10 it hides at H = 115 (4x left it at 40, with rank 24)
 H_MAX_FACTOR = 20
-# default --dilocox-outer-lr-warmup-iters: a fifth of the run, at most this many iterations (README: convergence)
+# default --dilocox-outer-lr-warmup-iters: a fifth of the run, at most this many iterations (docs/convergence.md)
 OUTER_LR_WARMUP_CAP = 200
 OUTER_LR_WARMUP_FRACTION = 0.2
 # default --dilocox-outer-lr: whole rounds and synchronous fragments / fragments that overlap
@@ -37,7 +37,7 @@ class DiLoCoXConfigError(ValueError):
 
 
 def flag_name(field_name: str) -> str:
-    """The --dilocox-* flag of a config field (the parser, error messages and the README table use it)."""
+    """The --dilocox-* flag of a config field (the parser, error messages and docs/configuration.md's table use it)."""
     return "--dilocox-" + field_name.replace("_", "-")
 
 
@@ -47,7 +47,7 @@ def no_flag_name(field_name: str) -> str:
 
 
 def knob(default, help: str, **kw):
-    """A config field with its flag help text (the --dilocox-* parser and the README table read it)."""
+    """A config field with its flag help text (the --dilocox-* parser and docs/configuration.md's table read it)."""
     return field(default=default, metadata={"help": help}, **kw)
 
 
@@ -81,7 +81,7 @@ class DiLoCoXConfig:
                              "boundaries H/F inner steps apart: "
                              "the same bytes per step, but each fragment's transfer is 1/F as long, so it lands "
                              "about H/F steps after it leaves; needs --dilocox-overlap one-step-delay or none "
-                             "(README: convergence)")
+                             "(docs/convergence.md)")
     slow_link_fragments: int = knob(8, "with --dilocox-fragments 1: once a landed round shows the link holds a "
                                        "round sent whole at least half-way into the next one, sync as this many "
                                        "fragments from the next boundary on, with one-step-delay (the state "
@@ -106,13 +106,13 @@ class DiLoCoXConfig:
     # Outer optimizer: Nesterov SGD on the averaged pseudo-gradient.
     outer_lr: Optional[float] = knob(None, "outer learning rate, reached after --dilocox-outer-lr-warmup-iters "
                                            "(default 1.0; 1.3 for fragments that overlap: --dilocox-fragments "
-                                           "with overlap, or after the slow-link switch; README: convergence)")
+                                           "with overlap, or after the slow-link switch; docs/convergence.md)")
     outer_lr_warmup_iters: Optional[int] = knob(None, "inner iterations over which the outer lr rises linearly to "
                                                       "--dilocox-outer-lr (a round launched at iteration i steps at "
                                                       "lr x min(1, i / N)); default: a fifth of --train-iters, at "
                                                       "most 200 (200 when the run length is unknown); 0: none")
     outer_momentum: Optional[float] = knob(None, "outer momentum (default 0.3, every overlap mode and H; "
-                                                 "README: convergence)")
+                                                 "docs/convergence.md)")
     outer_nesterov: bool = knob(True, "Nesterov momentum for the outer step")
     outer_state_device: str = knob("cpu", "where anchor, momentum and round start live: cpu or param "
                                           "(beside the parameters)")
@@ -131,10 +131,10 @@ class DiLoCoXConfig:
                                    "send the matrices whole (quantized) when that transfer takes at most half of "
                                    "--dilocox-overlap-steps (or --dilocox-h-min) inner steps; with adaptive H and "
                                    "τ, first lengthen the rounds (up to --dilocox-h-max) until it does; else the "
-                                   "largest rank that does (README: convergence)")
+                                   "largest rank that does (docs/convergence.md)")
     lowrank_basis: str = knob("local", "local: each cluster sends its own best rank-r factors (subspace iteration, "
                                         "all-gathered); shared: PowerSGD's one power iteration in a basis all "
-                                        "clusters share (README: convergence)")
+                                        "clusters share (docs/convergence.md)")
     lowrank_local_iters: int = knob(4, "block power iterations per round for --dilocox-lowrank-basis local "
                                        "(local compute, no bytes)")
     lowrank_min_dim: int = knob(64, "matrices with min(rows, cols) below this are sent whole (quantized)")
@@ -169,7 +169,7 @@ class DiLoCoXConfig:
         1000 iterations), and with 200 iterations of warm-up every H from 1 to 200 ended better than at lr
         0.7 on both corpora. A fixed 200 would leave a short run (a test, a 60-iteration benchmark) with the
         global model nearly still, hence the fifth. Counted in iterations, not rounds, so that it covers the
-        same stretch of training at every H (README: convergence)."""
+        same stretch of training at every H (docs/convergence.md)."""
         if self.outer_lr_warmup_iters is not None:
             return self.outer_lr_warmup_iters
         if not train_iters:
@@ -192,7 +192,7 @@ class DiLoCoXConfig:
         fragment's update is applied ~H/F steps after it leaves, and a larger step makes up part of what the
         delay costs. Main job's GPT, 1000 iterations, F = 8, H = 100: 1.3 vs 1.0 on loopback
         KJV -0.90% / -0.37%, docs +0.31% / -0.68% (seeds 1234 / 4321); on the ratio-325 link +2.35% vs +3.19%
-        from AllReduce (+2.14% at 2000 iterations, against +2.77% before; README: convergence)."""
+        from AllReduce (+2.14% at 2000 iterations, against +2.77% before; docs/convergence.md)."""
         if self.outer_lr is not None:
             return self.outer_lr
         return OUTER_LR_FRAGMENTS if self.fragments > 1 and self.overlap != "none" else OUTER_LR
@@ -203,7 +203,7 @@ class DiLoCoXConfig:
         at H=10 on the Python docs over 1000 Megatron iterations (validation 5.995 vs AllReduce 4.375). Between
         0.3 and 0.5 the better value follows the corpus, not H or the overlap: synchronous DiLoCo at 0.5 is 1.1-1.2%
         better on the KJV (H=10, 50) and 4.8% worse on the docs at H=10 (4.771 vs 4.540); 0.3 is never far from
-        the best (README, "Convergence")."""
+        the best (docs/convergence.md)."""
         if self.outer_momentum is not None:
             return self.outer_momentum
         return 0.3
@@ -211,7 +211,7 @@ class DiLoCoXConfig:
     @property
     def resolved_local_weight(self) -> float:
         """w: 1 for one-step-delay; (1 + 1/C)/2 for eager (0.75 at C=2 beat the paper's 1/C by 1.0% and 1 by
-        1.0% at H=20 in the byte model, README "Convergence")."""
+        1.0% at H=20 in the byte model, benchmarks/NOTEBOOK.md)."""
         if self.delay_local_weight is not None:
             return self.delay_local_weight
         return 0.5 * (1.0 + 1.0 / self.num_clusters) if self.overlap == "eager" else 1.0

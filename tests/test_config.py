@@ -62,7 +62,7 @@ def test_defaults_and_resolved_bounds():
     assert (cfg.resolved_h_min, cfg.h, cfg.resolved_h_max) == (50, 50, 1000)
     assert (cfg.resolved_rank_min, cfg.lowrank_rank, cfg.resolved_rank_max) == (1, 16, 64)
     assert cfg.overlap == "eager" and cfg.quant_bits == 4
-    # outer momentum: 0.3 in every overlap mode (README: convergence), unless given
+    # outer momentum: 0.3 in every overlap mode (docs/convergence.md), unless given
     assert cfg.resolved_outer_momentum == 0.3
     assert DiLoCoXConfig(overlap="one-step-delay").resolved_outer_momentum == 0.3
     assert DiLoCoXConfig(overlap="none").resolved_outer_momentum == 0.3
@@ -70,7 +70,7 @@ def test_defaults_and_resolved_bounds():
     assert DiLoCoXConfig(num_clusters=2, rendezvous="h:1", secret="s").resolved_local_weight == 0.75
     assert DiLoCoXConfig(overlap="one-step-delay").resolved_local_weight == 1.0
     assert DiLoCoXConfig(outer_momentum=0.0).resolved_outer_momentum == 0.0
-    # outer lr: 1.0 whole, 1.3 for fragments that overlap (README: convergence), unless given
+    # outer lr: 1.0 whole, 1.3 for fragments that overlap (docs/convergence.md), unless given
     assert (cfg.outer_lr, cfg.resolved_outer_lr) == (None, 1.0)
     assert DiLoCoXConfig(h=8, fragments=8, overlap="one-step-delay").resolved_outer_lr == 1.3
     assert DiLoCoXConfig(h=8, fragments=8, overlap="one-step-delay", outer_lr=1.0).resolved_outer_lr == 1.0

@@ -48,7 +48,7 @@ def test_make_sync_may_switch_only_where_fragments_are_allowed():
     assert fragments_config(DiLoCoXConfig(h=10), shapes).fragments == 8
     to = fragments_config(DiLoCoXConfig(h=10, slow_link_fragments=4), shapes)
     assert (to.fragments, to.overlap, to.h, to.slow_link_fragments) == (4, "one-step-delay", 10, 4)
-    # the outer lr: 1.0 for whole rounds, 1.3 for the fragments (README: convergence), unless given
+    # the outer lr: 1.0 for whole rounds, 1.3 for the fragments (docs/convergence.md), unless given
     assert (DiLoCoXConfig(h=10).resolved_outer_lr, to.resolved_outer_lr) == (1.0, 1.3)
     assert fragments_config(DiLoCoXConfig(h=10, outer_lr=0.9), shapes).resolved_outer_lr == 0.9
     for never in (dict(h=10, slow_link_fragments=1), dict(h=10, slow_link_fragments=4, overlap="none"),
