@@ -10,6 +10,8 @@ from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.harness.spawn import free_port, run_clusters
 from tests.workers import batch, loss_fn, make_model, train_worker
 
+pytestmark = pytest.mark.core
+
 SECRET = "api-secret"
 
 

@@ -6,6 +6,8 @@ import pytest
 from megatron_dilocox.arguments import add_dilocox_args, chain_providers, config_from_args, flag_table
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def parse(*argv, chain=None):
     return add_dilocox_args(argparse.ArgumentParser(), chain=chain).parse_args(list(argv))

@@ -292,6 +292,7 @@ def entry(monkeypatch, capsys):
     return run
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flags,secret,message", ROWS)
 def test_bad_flags_are_refused_with_the_exact_message_before_any_process_group(entry, flags, secret, message):
     out = entry(flags, secret)
@@ -304,6 +305,7 @@ def test_bad_flags_are_refused_with_the_exact_message_before_any_process_group(e
     assert out.calls == [] and out.installed == [] and not out.dist_initialized
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flags,clusters", VALID)
 def test_valid_flags_get_through_the_same_path(entry, flags, clusters):
     out = entry(flags)
@@ -374,6 +376,7 @@ def e2e():
     return results
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("name", list(E2E))
 def test_end_to_end_bad_flag_stops_before_torch_distributed(e2e, name):
     code, lines = e2e[name]
@@ -388,6 +391,7 @@ def test_end_to_end_bad_flag_stops_before_torch_distributed(e2e, name):
     assert not any(line.startswith("[dilocox]") or " iteration " in line for line in lines)
 
 
+@pytest.mark.megatron
 def test_rank_above_tensor_dims_is_reported_before_waiting_at_the_rendezvous(e2e):
     code, lines = e2e["rank-alone"]
     assert code != 0
@@ -398,6 +402,7 @@ def test_rank_above_tensor_dims_is_reported_before_waiting_at_the_rendezvous(e2e
     assert not any("RendezvousError" in line for line in lines)
 
 
+@pytest.mark.megatron
 def test_moe_grouped_gemm_on_cpu_stops_in_megatron_validation_naming_the_local_experts(e2e):
     """The local implementation (CPU) builds SequentialMLP experts whatever --moe-grouped-gemm says; TE's
     TEGroupedMLP is GPU only. The CPU backend's stand-in for the capability query says so and what to change."""
@@ -410,6 +415,7 @@ def test_moe_grouped_gemm_on_cpu_stops_in_megatron_validation_naming_the_local_e
     assert MEGATRON_ARGS_DONE not in lines and DIST_INIT not in lines  # inside Megatron's validate_args
 
 
+@pytest.mark.megatron
 def test_end_to_end_clusters_with_different_seed_are_refused_naming_it(e2e):
     codes, logs = e2e["seed"]["codes"], e2e["seed"]["logs"]
     assert codes[0] != 0 and codes[1] != 0

@@ -15,6 +15,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.netns
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN testbed needs root (network namespaces, tc)")
 def test_wan_benchmark_quick(tmp_path, kjv):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench", "wan_benchmark.py"), "--quick",
@@ -36,6 +37,7 @@ def test_wan_benchmark_quick(tmp_path, kjv):
     assert (tmp_path / "wan_benchmark.png").stat().st_size > 10_000
 
 
+@pytest.mark.unit
 def test_tokens_per_s_counts_only_intervals_while_every_cluster_trains():
     """Cluster 1 starts 4 s late: cluster 0's early intervals (alone on the host, faster) and the final
     interval (DiLoCo's flush) are left out; with window=False and tail=0 every interval after the first counts."""
@@ -57,6 +59,7 @@ def test_tokens_per_s_counts_only_intervals_while_every_cluster_trains():
     assert tokens_per_s([early, late], 1000, tail=0, window=False) == pytest.approx(everything)
 
 
+@pytest.mark.megatron
 def test_convergence_quick(tmp_path, kjv):
     """scripts/bench/convergence.py --quick (real Megatron, loopback): AllReduce, DiLoCo and DiLoCoX at equal
     tokens; its own invariants hold (exit 0) and its JSON says so: every loss falls, every DiLoCo method ends

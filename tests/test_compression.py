@@ -9,6 +9,8 @@ from megatron_dilocox.compression.codec import PseudoGradientCodec
 from megatron_dilocox.compression.collective import SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def known_spectrum(n, m, s, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -3,6 +3,8 @@ import pytest
 
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 
+pytestmark = pytest.mark.unit
+
 MULTI = dict(num_clusters=2, rendezvous="127.0.0.1:29400", secret="s")
 
 INVALID = [

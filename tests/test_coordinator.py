@@ -22,6 +22,8 @@ from megatron_dilocox.net.topology import InterClusterGroup, connect_store
 from tests.coord_util import CoordinatorProcess
 from tests.workers import train_worker
 
+pytestmark = pytest.mark.core
+
 SECRET = "coordinator-test-secret"
 TIMEOUT = 8.0
 

@@ -15,6 +15,8 @@ import pytest
 
 from megatron_dilocox.data import prepare as prep
 
+pytestmark = pytest.mark.unit
+
 GENESIS_1_1 = "In the beginning God created the heaven and the earth."
 VOCAB = 4096
 CLUSTERS = 3  # odd on purpose: shards of unequal size

@@ -34,7 +34,7 @@ from tests.test_wan import _skip_reason  # the WAN testbed's own preconditions, 
 WAN_PY = Path(__file__).resolve().parent.parent / "scripts" / "wan" / "wan.py"
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
 
 # The payload: every tensor whole, int4 in blocks of 64 (no low-rank, hence no adaptive rank): 260,056 B per
 # cluster per round, every round, so a round's transfer time depends on the rate alone. (A rank-4 low-rank

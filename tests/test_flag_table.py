@@ -5,6 +5,9 @@ import subprocess
 import sys
 
 from megatron_dilocox.arguments import flag_table
+import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"

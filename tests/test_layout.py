@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "megatron_dilocox"
 

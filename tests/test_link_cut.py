@@ -23,7 +23,7 @@ WAN_PY = Path(__file__).resolve().parent.parent / "scripts" / "wan" / "wan.py"
 TIMEOUT = 10
 ITERS = 240
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
 
 
 @pytest.fixture

@@ -24,6 +24,8 @@ from megatron_dilocox.metrics import read_rows
 from tests.coord_util import CoordinatorProcess
 from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags
 
+pytestmark = pytest.mark.megatron
+
 SECRET = "megatron-coordinator-test-secret"
 # NO_VCS_VERSION: Megatron's version carries the git HEAD of the checkout its venv sits in (fingerprinted)
 ENV = {"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline", "DILOCOX_SECRET": SECRET, "NO_VCS_VERSION": "1"}

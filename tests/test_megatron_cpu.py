@@ -15,6 +15,8 @@ import pytest
 
 from megatron_dilocox.glue.cpu_backend import CPU_FLAGS
 
+pytestmark = pytest.mark.megatron
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 

@@ -12,6 +12,8 @@ from megatron_dilocox.harness.launch import run
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
 from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags
 
+pytestmark = pytest.mark.megatron
+
 ITERS = 16
 
 

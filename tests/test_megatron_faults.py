@@ -13,6 +13,9 @@ from pathlib import Path
 from megatron_dilocox.harness.launch import start
 from megatron_dilocox.metrics import read_rows
 from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
+import pytest
+
+pytestmark = pytest.mark.megatron
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 10

@@ -33,6 +33,8 @@ from megatron_dilocox.harness.launch import run, start
 from megatron_dilocox.metrics import read_rows
 from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags
 
+pytestmark = pytest.mark.megatron
+
 ITERS, H = 8, 4
 ENV = {"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
 TIMEOUT = 500

@@ -12,6 +12,8 @@ from megatron_dilocox.harness.spawn import free_port, run_clusters
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
 from tests.workers import HIDDEN, IN, OUT, batch, loss_fn, make_model, rendezvous_worker, train_worker
 
+pytestmark = pytest.mark.core
+
 SECRET = "test-secret"
 
 

@@ -13,6 +13,8 @@ from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.sync import DiLoCoXSync, DivergedError
 from tests.workers import batch, loss_fn, make_inner, make_model
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_outer_step_equals_torch_sgd_with_delta_as_gradient(nesterov):

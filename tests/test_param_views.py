@@ -2,6 +2,9 @@
 import torch
 
 from megatron_dilocox.glue.param_views import row_aligned_views
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def test_shard_spanning_partial_rows_splits_into_head_matrix_tail():

@@ -12,6 +12,8 @@ import torch
 from megatron_dilocox.harness.spawn import free_port, run_clusters
 from tests.workers import train_worker
 
+pytestmark = pytest.mark.core
+
 SECRET = "peer-failure-secret"
 TIMEOUT = 8.0  # --dilocox-timeout for these runs: detection must come within it (plus scheduling slack)
 

@@ -15,6 +15,8 @@ from megatron_dilocox.outer import plan
 from megatron_dilocox.outer.cluster import SingleRank
 from megatron_dilocox.outer.link import LINK_MARGIN
 
+pytestmark = pytest.mark.unit
+
 # the main job's GPT in miniature: 128 x 128 and 128 x 512 matrices (low-rank), biases and norms (whole)
 SHAPES = [torch.Size(s) for s in ((128, 128), (128, 128), (512, 128), (128, 512), (128,), (512,), (128,))]
 STEP = 0.3  # seconds per inner step, as every cluster's header reports it

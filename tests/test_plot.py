@@ -9,6 +9,8 @@ import pytest
 from megatron_dilocox.harness import plot
 from megatron_dilocox.harness.launch import ClusterLog
 
+pytestmark = pytest.mark.unit
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -7,6 +7,8 @@ import torch
 
 from megatron_dilocox.compression.quantize import dequantize, payload_bytes, qmax, quantize
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("numel,block", [(1, 2), (7, 4), (1000, 128), (4097, 64), (65536, 256)])

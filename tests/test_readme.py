@@ -1,6 +1,9 @@
 """The README's first code block holds exactly the two commands, and CI runs the second one."""
 import pathlib
 import re
+import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

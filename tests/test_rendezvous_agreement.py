@@ -15,6 +15,8 @@ import torch
 
 from megatron_dilocox.harness.spawn import free_port
 
+pytestmark = pytest.mark.core
+
 MEGATRON_ARGS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
                      virtual_pipeline_model_parallel_size=None, context_parallel_size=1, expert_model_parallel_size=1,
                      data_parallel_size=1, use_distributed_optimizer=False, num_layers=4, hidden_size=64,

@@ -97,6 +97,7 @@ def superseded(ckpt_dir):
     return sorted(n for n in os.listdir(ckpt_dir) if ck.SUPERSEDED in n)
 
 
+@pytest.mark.megatron
 def test_kill_between_boundaries_with_a_round_outstanding(kjv, tmp_path, reference):
     """(a) Cluster 1's rank dies during iteration 11: round 2 was launched at the boundary of iteration 8 (its
     result saved with checkpoint 8) and is applied at 12. Both clusters resume from 8 and replay bitwise."""
@@ -115,6 +116,7 @@ def test_kill_between_boundaries_with_a_round_outstanding(kjv, tmp_path, referen
     assert superseded(f"{tmp_path}/ckpt_c1") == []  # cluster 1 never got past 11
 
 
+@pytest.mark.megatron
 def test_kill_while_a_checkpoint_is_written(kjv, tmp_path, reference):
     """(b) Cluster 1's rank dies while it writes checkpoint 12; cluster 0 may have completed its own 12. The
     clusters agree on 8 (complete everywhere), set every iter_0000012 aside and replay bitwise.
@@ -165,6 +167,7 @@ def make_ckpt(root, complete=(), partial=(), tracker=None):
     return str(root)
 
 
+@pytest.mark.unit
 def test_registry_repairs_a_truncated_tracker_and_sets_an_incomplete_save_aside(tmp_path):
     d = make_ckpt(tmp_path / "c", complete=(4, 8), partial=(12,), tracker="")  # killed inside open('w')
     assert json.loads((tmp_path / "c" / ck.REGISTRY).read_text()) == {"complete": [4, 8]}
@@ -192,6 +195,7 @@ def test_registry_repairs_a_truncated_tracker_and_sets_an_incomplete_save_aside(
     assert (tmp_path / "release" / ck.TRACKER).read_text() == "release"
 
 
+@pytest.mark.unit
 def test_clusters_agree_on_the_newest_iteration_complete_everywhere(tmp_path):
     """The real agreement function: this process is one cluster (a world of 1), a stand-in group adds the other."""
     import torch
@@ -228,6 +232,7 @@ def test_clusters_agree_on_the_newest_iteration_complete_everywhere(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.unit
 def test_async_and_non_persistent_saves_are_refused():
     from megatron_dilocox.config import DiLoCoXConfigError
     with pytest.raises(DiLoCoXConfigError, match="--async-save: not supported with --dilocox"):
@@ -237,6 +242,7 @@ def test_async_and_non_persistent_saves_are_refused():
     ck.check_args(SimpleNamespace(async_save=False, non_persistent_save_interval=None))
 
 
+@pytest.mark.unit
 def test_legacy_torch_checkpoints_with_data_parallelism_are_refused():
     """Megatron's ``torch`` format writes the optimizer state dict (with each rank's DiLoCoX state) from DP rank 0
     only and every DP rank loads it: a 2 x DP2 dist-opt bf16 GPT saved that way stopped at resume with
@@ -264,6 +270,7 @@ def test_legacy_torch_checkpoints_with_data_parallelism_are_refused():
 SLEEPER = ("timeit", ["-n", "1", "-r", "1", "import time; time.sleep(600)"])
 
 
+@pytest.mark.core
 def test_killing_one_rank_takes_its_cluster_down():
     module, argv = SLEEPER
     run = start(1, 2, argv, module=module, echo=False)
@@ -281,6 +288,7 @@ def test_killing_one_rank_takes_its_cluster_down():
     assert not [p for p in pids.values() if _alive(p)]
 
 
+@pytest.mark.core
 def test_wait_kills_everything_at_its_timeout():
     module, argv = SLEEPER
     run = start(2, 1, argv, module=module, echo=False)

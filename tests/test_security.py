@@ -26,6 +26,7 @@ import zipfile
 
 
 from megatron_dilocox.harness.spawn import free_port
+import pytest
 
 # ------------------------------------------------------------------------------------------------------
 # 1. the secret never leaks from a real run
@@ -64,6 +65,7 @@ def _file_blobs(path: str):
                 yield f"{path}!{name}", z.read(name)
 
 
+@pytest.mark.megatron
 def test_secret_never_leaks_from_a_real_two_cluster_run(tmp_path):
     from megatron_dilocox.harness.launch import run
     from megatron_dilocox.metrics import read_rows
@@ -166,6 +168,7 @@ def _peer(cluster: int, secret: str, rendezvous: str, value: float, attempts: in
         return
 
 
+@pytest.mark.core
 def test_wrong_secret_cannot_join_or_inject_and_the_right_peer_then_joins():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -268,6 +271,7 @@ def _store_attacker(rendezvous: str, out):
     time.sleep(2.0)
 
 
+@pytest.mark.core
 def test_store_reachable_attacker_without_the_secret_cannot_enter_the_group():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -12,6 +12,8 @@ import pytest
 from megatron_dilocox.sim import Setup, model_params, payload_bytes, plan, predict, rank_payload
 from megatron_dilocox.sim.cost_model import exchange_bytes, rank_views, round_bytes, step_seconds
 
+pytestmark = pytest.mark.unit
+
 SHAPES = [(256, 128), (256, 128), (64, 512), (100,), (30, 40), (128, 96), (7,), (96, 64)]
 SMALL = Setup(hidden=256, layers=4, ffn=688, vocab=1000, heads=4, kv_heads=2, clusters=2, tp=2, pp=2, dp=3,
               rank=8, min_dim=32, global_batch_tokens=8192)

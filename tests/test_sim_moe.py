@@ -6,6 +6,9 @@ from dataclasses import replace
 
 from megatron_dilocox.sim.cost_model import Setup, active_params, model_params, predict, rank_views, round_bytes
 from tests.test_moe import moe_param_counts
+import pytest
+
+pytestmark = pytest.mark.unit
 
 # tests/test_moe.py's MoE GPT: 2 layers, hidden 64, FFN 256, 4 experts top-2, biases, tied; EP2 x DP2, dist-opt
 TINY_MOE = Setup(hidden=64, layers=2, ffn=256, vocab=4096, heads=4, swiglu=False, tied_embeddings=True, bias=True,

@@ -30,6 +30,7 @@ def _sync(rank=0, h=100, tau=100, rate=1e-5, budget=True):
     return SimpleNamespace(link_budget=budget, codec=SimpleNamespace(rank=rank), h=h, tau=tau, link=LinkRate(rate))
 
 
+@pytest.mark.unit
 def test_the_rule_asks_for_fragments_when_a_whole_round_lands_half_way_in_or_later():
     assert plan.link_holds_whole_rounds(_sync())  # the ratio-325 link: whole at H 53-100, τ = H
     assert plan.link_holds_whole_rounds(_sync(h=50, tau=25))
@@ -41,6 +42,7 @@ def test_the_rule_asks_for_fragments_when_a_whole_round_lands_half_way_in_or_lat
     assert not plan.link_holds_whole_rounds(_sync(budget=False))  # rounds not sized to the link
 
 
+@pytest.mark.unit
 def test_make_sync_may_switch_only_where_fragments_are_allowed():
     params = [p.data for p in make_model(0).parameters()]
     shapes = [p.shape for p in params]
@@ -63,6 +65,7 @@ def test_make_sync_may_switch_only_where_fragments_are_allowed():
     assert type(fixed) is StreamingSync and len(fixed.fragments) == 2
 
 
+@pytest.mark.unit
 @torch.no_grad()
 def test_take_over_carves_phi_the_round_start_momentum_and_error_feedback_exactly():
     """Eager, momentum 0.9, int4 (so the error feedback is not zero), two rounds landed (H = 4, τ = 1), then the
@@ -116,6 +119,7 @@ def switch_after(monkeypatch, landed_rounds):
         DiLoCoXSync(params, cfg, *args, **kwargs), to_fragments(cfg)))
 
 
+@pytest.mark.unit
 def test_a_switched_single_cluster_reproduces_plain_training(monkeypatch):
     """C = 1, outer lr 1, no momentum, eager, H = 8, τ = 2: round 2 lands at 18 and asks for fragments; at 24
     the switch (fragment 0's round ends there, fragment j's 2j steps later, each landing 2 steps after it leaves);
@@ -134,6 +138,7 @@ def test_a_switched_single_cluster_reproduces_plain_training(monkeypatch):
     assert max(float((a - b).abs().max()) for a, b in zip(params, plain_params)) < 1e-6
 
 
+@pytest.mark.unit
 def test_outer_steps_after_the_switch_take_the_fragments_default_lr(monkeypatch):
     """Default outer lr, no warm-up, H = 8, τ = 2, switch after round 2 (at 24): the rounds sent whole step at
     1.0, every fragment's at 1.3; an explicit --dilocox-outer-lr holds on both sides."""
@@ -151,6 +156,7 @@ def test_outer_steps_after_the_switch_take_the_fragments_default_lr(monkeypatch)
     assert taken == [0.9] * 12
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("save_at", [17, 20, 27])
 def test_resume_before_the_decision_before_the_switch_and_after_it_is_bitwise(monkeypatch, save_at):
     """Compressed (rank 2-4, int4), H = 8, τ = 3: round 2 lands at 19 and asks for fragments, the switch comes at
@@ -167,6 +173,7 @@ def test_resume_before_the_decision_before_the_switch_and_after_it_is_bitwise(mo
     assert all(torch.equal(a, b) for a, b in zip(resumed_params, full_params))
 
 
+@pytest.mark.core
 def test_two_clusters_on_a_slow_link_switch_at_the_same_boundary_and_agree_bitwise(tmp_path):
     """Real processes (2 clusters x 2 ranks), gloo, each all-gather delayed 0.3 s (a round's header + payload: ~0.6 s) behind steps of
     0.05 s, adaptive τ, H = 8 fixed, int4 whole: rounds 1 and 2 land a step after they leave (τ = 1 until a

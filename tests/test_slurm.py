@@ -158,6 +158,7 @@ def check_secret(watch: ProcWatch, secret: str | None, logs: list[Path]):
 
 
 # ------------------------------------------------------------------------------------------ real jobs
+@pytest.mark.slurm
 def test_one_allocation_split_into_two_clusters(slurm, kjv, tmp_path):
     """sbatch --nodes=2 with DILOCOX_NUM_CLUSTERS=2: two 1-node blocks, two torchrun worlds; no
     DILOCOX_SECRET given, so the script makes one for the job."""
@@ -181,6 +182,7 @@ def test_one_allocation_split_into_two_clusters(slurm, kjv, tmp_path):
     check_secret(watch, None, [log])
 
 
+@pytest.mark.slurm
 def test_two_jobs_multi_job_mode_meet_at_one_rendezvous(slurm, kjv, tmp_path):
     """Two concurrent 1-node jobs, one per cluster, as two sites would submit them: the same script with
     DILOCOX_MODE=multi-job, their cluster id, the rendezvous on cluster 0's (pinned) first node, and the
@@ -212,6 +214,7 @@ def test_two_jobs_multi_job_mode_meet_at_one_rendezvous(slurm, kjv, tmp_path):
     check_secret(watch, secret, logs)
 
 
+@pytest.mark.slurm
 def test_two_node_clusters_pipeline_across_nodes(slurm, kjv, tmp_path):
     """sbatch --nodes=4, 2 clusters: blocks ci0+ci1 and ci2+ci3, torchrun --nnodes 2 in each (node rank
     0 and 1, the block's first node as master), PP=2 so every cluster's model spans its two nodes."""
@@ -275,6 +278,7 @@ def fake_data(tmp_path):
      "DILOCOX_COORDINATOR=standalone: export DILOCOX_SECRET"),
     ({"SLURM_JOB_NUM_NODES": ""}, "not inside a SLURM job"),
 ])
+@pytest.mark.unit
 def test_early_errors(fake_data, env, message):
     t = time.monotonic()
     r = run_script({**fake_data, **env})
@@ -283,6 +287,7 @@ def test_early_errors(fake_data, env, message):
     assert "s3cret-value" not in r.stdout + r.stderr
 
 
+@pytest.mark.unit
 def test_missing_data_names_the_file_and_the_variable(fake_data, tmp_path):
     (tmp_path / "train_c1_text_document.idx").unlink()
     r = run_script({**fake_data, "DILOCOX_NUM_CLUSTERS": "2"})
@@ -298,6 +303,7 @@ def test_missing_data_names_the_file_and_the_variable(fake_data, tmp_path):
     assert r.returncode == 2 and "validation data not found" in r.stderr and "set VALID_DATA_PREFIX" in r.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("coordinator", ["embedded", "standalone"])
 def test_gpu_nodes_one_process_per_gpu_no_cpu_flags(fake_data, tmp_path, coordinator):
     """The launch the script builds, with stand-ins for nvidia-smi, scontrol and srun (srun prints what

@@ -12,6 +12,8 @@ from megatron_dilocox.outer.sync import DiLoCoXSync
 from tests.test_outer import inner_step, train
 from tests.workers import make_inner, make_model
 
+pytestmark = pytest.mark.unit
+
 
 def test_split_cuts_at_the_row_nearest_each_share_and_never_leaves_a_fragment_empty():
     s = [torch.Size(x) for x in ((32, 16), (32,), (8, 32), (8,))]  # 512, 32, 256, 8 elements

@@ -5,6 +5,9 @@ import json
 import os
 import subprocess
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.megatron
 
 REPO = Path(__file__).resolve().parents[1]
 

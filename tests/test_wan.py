@@ -26,7 +26,7 @@ def _skip_reason():
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
 
 
 @pytest.fixture(scope="module")
