@@ -18,6 +18,8 @@ import os
 
 import pytest
 
+from tests.wan_helpers import load_wan
+
 # One intra-op thread per process: the multi-process tests run several processes on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -62,3 +64,13 @@ def kjv(tmp_path_factory):
     out = tmp_path_factory.mktemp("kjv")
     prepare(str(out), num_clusters=2, vocab_size=4096)
     return out
+
+
+@pytest.fixture(scope="module")
+def wan():
+    """scripts/wan/wan.py loaded (tests/wan_helpers.py), with no testbed up before or after the module's tests:
+    a stale one from an earlier run is torn down first, whatever a failing test left behind afterwards."""
+    mod = load_wan()
+    mod.down(kill=True)
+    yield mod
+    mod.down(kill=True)

@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from megatron_dilocox.harness.spawn import free_port
+from tests.megatron_flags import mock_gpt_flags
 
 CFG = "megatron_dilocox.config.DiLoCoXConfigError: "  # last line of the traceback the user sees
 USAGE = "pretrain_gpt.py: error: "  # argparse's last line (prog = basename of pretrain_gpt.py)
@@ -47,17 +48,6 @@ MULTI = ["--dilocox-num-clusters", "2", "--dilocox-rendezvous", "cluster0-host:2
 # first line of initialize_megatron's torch.distributed set-up (megatron/training/initialize.py).
 MEGATRON_ARGS_DONE = "-------------------- end of arguments ---------------------"
 DIST_INIT = "> initializing torch distributed ..."
-
-
-def megatron_flags(iters=2, global_batch=1, eval_iters=0):
-    """A tiny valid Megatron GPT command line (mock data, no tokenizer file), CPU flags included."""
-    from megatron_dilocox.glue.cpu_backend import CPU_FLAGS
-    return CPU_FLAGS + [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", str(global_batch),
-        "--train-iters", str(iters), "--lr", "1e-3", "--seed", "1234", "--mock-data", "--tokenizer-type",
-        "NullTokenizer", "--vocab-size", "512", "--num-workers", "0", "--log-interval", "1",
-        "--eval-interval", str(iters), "--eval-iters", str(eval_iters)]
 
 
 SET = object()  # the row runs with a (random) $DILOCOX_SECRET
@@ -267,7 +257,7 @@ def entry(monkeypatch, capsys):
             os.environ["DILOCOX_SECRET"] = "bad-input-" + secrets.token_hex(8)
         elif secret is not None:
             os.environ["DILOCOX_SECRET"] = secret
-        monkeypatch.setattr(sys, "argv", [pretrain_gpt.__file__] + megatron_flags() + list(flags))
+        monkeypatch.setattr(sys, "argv", [pretrain_gpt.__file__] + mock_gpt_flags() + list(flags))
         out = EntryRun(error=None, exit_code=None, calls=calls, dumped=dumped, args=None)
         capsys.readouterr()
         try:
@@ -331,7 +321,7 @@ E2E = {  # name: (flags, $DILOCOX_SECRET or None, the exact last line the user s
 def _torchrun(flags, env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_dilocox.pretrain_gpt",
-           *megatron_flags(), *flags]
+           *mock_gpt_flags(), *flags]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -356,7 +346,7 @@ def e2e():
     seeds = {}
 
     def disagree():  # two real clusters via megatron_dilocox.harness.launch, cluster 1 with another --seed
-        seeds["codes"], seeds["logs"] = run(2, 1, megatron_flags(), ["--dilocox-timeout-seconds", "60"],
+        seeds["codes"], seeds["logs"] = run(2, 1, mock_gpt_flags(), ["--dilocox-timeout-seconds", "60"],
                                             per_cluster_args={1: ["--seed", "4321"]}, timeout=240, echo=False,
                                             env={"CUDA_VISIBLE_DEVICES": "", "DILOCOX_SECRET": secret})
     thread = threading.Thread(target=disagree)

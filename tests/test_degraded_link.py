@@ -17,7 +17,6 @@ back down to H_MIN. Needs root and ``ip netns`` (skipped otherwise, like tests/t
 other jobs keep the 2 cores busy).
 Only one WAN testbed can exist per host: do not run it next to tests/test_wan.py or tests/test_bench.py.
 """
-import importlib.util
 import json
 import math
 import threading
@@ -29,12 +28,9 @@ import pytest
 from megatron_dilocox.harness.launch import run
 from megatron_dilocox.metrics import ROUND_KEYS
 from tests.megatron_flags import failure_report, tiny_gpt_flags
-from tests.test_wan import _skip_reason  # the WAN testbed's own preconditions, one place
+from tests.wan_helpers import skip_reason
 
-WAN_PY = Path(__file__).resolve().parent.parent / "scripts" / "wan" / "wan.py"
-
-
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
 
 # The payload: every tensor whole, int4 in blocks of 64 (no low-rank, hence no adaptive rank): 260,056 B per
 # cluster per round, every round, so a round's transfer time depends on the rate alone. (A rank-4 low-rank
@@ -58,16 +54,6 @@ ITERS = 380
 SETTLE_BY = 80  # iteration by which H must have settled at H_MIN on the fast link (normally ~16)
 GLOO_IF = {"GLOO_SOCKET_IFNAME": "wan0"}  # inter-cluster traffic leaves through the shaped uplink
 TIMEOUT = 420
-
-
-@pytest.fixture(scope="module")
-def wan():
-    spec = importlib.util.spec_from_file_location("dlx_wan", WAN_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.down(kill=True)  # stale state from an earlier run
-    yield mod
-    mod.down(kill=True)  # whatever a failing test left behind
 
 
 def read_complete_rows(path):

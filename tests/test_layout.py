@@ -195,6 +195,38 @@ def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def imported_test_modules(source: str, module: str) -> set[str]:
+    """The other ``tests.test_*`` modules that test module ``module``'s source imports, in any form and at any level."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(["tests"] + ([node.module] if node.module else [])) if node.level else node.module or ""
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name.startswith("tests.test_") and name.count(".") == 1}
+    return found - {module}
+
+
+def test_no_test_module_imports_another():
+    """Shared fixtures live in tests/conftest.py and shared helpers in the tests' helper modules (workers.py,
+    megatron_flags.py, moe_shapes.py, wan_helpers.py, coord_util.py, slurm_cluster.py): importing a test module
+    from another collects its tests' set-up twice and ties one file's edits to another's."""
+    found = {path.name: imported_test_modules(path.read_text(), f"tests.{path.stem}")
+             for path in sorted((ROOT / "tests").glob("test_*.py"))}
+    assert len(found) > 30
+    assert {name: sorted(imported) for name, imported in found.items() if imported} == {}
+
+
+def test_the_test_import_scan_sees_every_form():
+    forms = ["from tests.test_a import x", "from tests import test_a", "import tests.test_a",
+             "from .test_a import x", "from . import test_a", "def f():\n    from tests.test_a import x"]
+    assert all(imported_test_modules(form, "tests.test_b") == {"tests.test_a"} for form in forms)
+    assert imported_test_modules("from tests.workers import x\nfrom tests.test_b import y", "tests.test_b") == set()
+
+
 def test_public_surface():
     from megatron_dilocox import DiLoCoX, DiLoCoXConfig
     from megatron_dilocox.api import DiLoCoX as api_DiLoCoX

@@ -7,9 +7,7 @@ if its store requests timed out first, stops naming the unreachable rendezvous h
 rejoins, and both end on the same global model.
 Needs root and `ip netns` (skipped otherwise). About 2–3 minutes.
 """
-import importlib.util
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,35 +15,31 @@ from megatron_dilocox.harness.launch import start
 from megatron_dilocox.harness.spawn import free_port
 from megatron_dilocox.metrics import read_rows
 from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
-from tests.test_wan import _skip_reason
+from tests.wan_helpers import skip_reason
 
-WAN_PY = Path(__file__).resolve().parent.parent / "scripts" / "wan" / "wan.py"
 TIMEOUT = 10
 ITERS = 240
 
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
 
 
 @pytest.fixture
-def wan():
-    spec = importlib.util.spec_from_file_location("dlx_wan_cut", WAN_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.down(kill=True)
-    with mod.WanTestbed(2, "50mbit") as testbed:
-        yield testbed
+def testbed(wan):
+    """Two clusters behind a 50 Mbit/s link, each in its own namespace."""
+    with wan.WanTestbed(2, "50mbit") as tb:
+        yield tb
 
 
-def test_cut_link_survivor_goes_on_cut_cluster_stops_then_rejoins(kjv, tmp_path, wan):
+def test_cut_link_survivor_goes_on_cut_cluster_stops_then_rejoins(kjv, tmp_path, testbed):
     megatron = tiny_gpt_flags(str(kjv), ITERS, layers=2)
     dilocox = tiny_dilocox_flags(tmp_path, "--dilocox-on-peer-failure", "continue", "--dilocox-timeout", str(TIMEOUT))
     kw = dict(echo=False, env={"CUDA_VISIBLE_DEVICES": "", "DILOCOX_SECRET": "link-cut-secret", "GLOO_SOCKET_IFNAME": "wan0"},
-              prefix_by_cluster={c: wan.prefix(c) for c in range(2)}, rendezvous_host=wan.addr(0),
+              prefix_by_cluster={c: testbed.prefix(c) for c in range(2)}, rendezvous_host=testbed.addr(0),
               rendezvous_port=free_port())
     with start(2, 1, megatron, dilocox, **kw) as cl:
         log0, log1 = cl.logs
         assert log1.wait_for(lambda log: log.last_iteration >= 10, 300), "\n".join(log1.lines[-120:])
-        wan.cut(1)
+        testbed.cut(1)
         t_cut = time.monotonic()
         log0.wait_for(lambda log: any("retrying with clusters [0]" in ln for ln in log.lines), 4 * TIMEOUT)
         detected = time.monotonic() - t_cut
@@ -54,7 +48,7 @@ def test_cut_link_survivor_goes_on_cut_cluster_stops_then_rejoins(kjv, tmp_path,
         # heartbeat silence is declared after TIMEOUT/2; the survivor's gloo op waits at most TIMEOUT
         assert detected < 1.5 * TIMEOUT + 5, detected
         print(f"link cut at iteration {log0.last_iteration}: survivor went on alone after {detected:.1f}s")
-        wan.restore(1)  # the link comes back: cluster 1 learns the others went on without it, and stops
+        testbed.restore(1)  # the link comes back: cluster 1 learns the others went on without it, and stops
         code1 = cl.procs[1].wait(6 * TIMEOUT)
         cut_off = "\n".join(log1.lines)
         assert code1 != 0 and "(exitcode: 3)" in cut_off, cut_off[-3000:]

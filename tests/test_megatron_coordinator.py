@@ -44,10 +44,6 @@ def flags(corpus, out, iters):
     return megatron, dilocox
 
 
-def tail(logs, coords=()):
-    return "\n".join([failure_report(logs)] + [c.text()[-2000:] for c in coords])
-
-
 def rounds(rows):
     return [r["round"] for r in rows]
 
@@ -66,14 +62,15 @@ def test_coordinator_sigkilled_and_restarted_training_goes_on_each_round_once(kj
         with start(2, 1, megatron, dilocox, env=ENV, echo=False, rendezvous_port=port) as cl:
             deadline = time.monotonic() + 300
             while coords[0].text().count(" -> commit") < kill_after:
-                assert time.monotonic() < deadline and not any(log.ended for log in cl.logs), tail(cl.logs, coords)
+                assert time.monotonic() < deadline and not any(log.ended for log in cl.logs), \
+                    failure_report(cl.logs, coords)
                 time.sleep(0.05)
             coords[0].kill()
             killed_at = [log.last_iteration for log in cl.logs]
             time.sleep(1.0)
             coords.append(CoordinatorProcess(address, SECRET, str(tmp_path / "coord_1.log")))
             codes = cl.wait(300)
-        assert codes == [0, 0], tail(cl.logs, coords)
+        assert codes == [0, 0], failure_report(cl.logs, coords)
         assert coords[1].wait(60) == 0, coords[1].text()
     finally:
         for c in coords:
@@ -95,9 +92,9 @@ def test_coordinator_sigkilled_and_restarted_training_goes_on_each_round_once(kj
     back = {}
     for c, log in enumerate(cl.logs):
         text = "\n".join(log.lines)
-        assert text.count(f"DiLoCoX cluster {c}: lost the coordinator") == 1, tail([log])
+        assert text.count(f"DiLoCoX cluster {c}: lost the coordinator") == 1, failure_report([log])
         found = [m for line in log.lines if (m := BACK_RE.search(line))]
-        assert [(int(m.group(1)), m.group(2)) for m in found] == [(c, address)], tail([log])
+        assert [(int(m.group(1)), m.group(2)) for m in found] == [(c, address)], failure_report([log])
         back[c] = float(found[0].group(3))
         assert back[c] < TIMEOUT
     old, new = coords[0].text(), coords[1].text()
@@ -133,7 +130,7 @@ def test_cluster_0_sigkilled_mid_round_the_others_go_on_and_it_rejoins(kjv, tmp_
     metrics0 = f"{tmp_path}/metrics_c0.jsonl"
     try:
         with start(3, 1, megatron, dilocox, env=ENV, echo=False, rendezvous_port=port) as cl:
-            assert cl.logs[0].wait_for(lambda log: log.last_iteration >= 10, 300), tail(cl.logs)
+            assert cl.logs[0].wait_for(lambda log: log.last_iteration >= 10, 300), failure_report(cl.logs)
             cl.kill(0, signal.SIGKILL, rank=0)  # mid-round: one is always in flight (launched at 4, 8, 12, ...)
             killed_at = cl.logs[0].last_iteration
             cl.procs[0].wait(60)
@@ -141,7 +138,7 @@ def test_cluster_0_sigkilled_mid_round_the_others_go_on_and_it_rejoins(kjv, tmp_
             time.sleep(1.0)
             with start(3, 1, megatron, dilocox, env=ENV, echo=False, rendezvous_port=port, only=[0]) as again:
                 codes = cl.wait(600)[1:] + again.wait(300)
-        assert codes == [0, 0, 0], tail(cl.logs[1:] + again.logs, [coord])
+        assert codes == [0, 0, 0], failure_report(cl.logs[1:] + again.logs, [coord])
         assert coord.wait(60) == 0, coord.text()
     finally:
         coord.stop()
@@ -164,7 +161,8 @@ def test_cluster_0_sigkilled_mid_round_the_others_go_on_and_it_rejoins(kjv, tmp_
     assert [r["num_clusters"] for r in joiner] == [2] + [3] * (len(joiner) - 1), [r["num_clusters"] for r in joiner]
     # its Megatron moved to the running clusters' position (a round boundary after the kill) and trained on to the end
     moved = [int(m.group(1)) for line in again.logs[0].lines if (m := CONTINUES_RE.search(line))]
-    assert len(moved) == 1 and moved[0] % H == 0 and moved[0] > killed_at, (moved, killed_at, tail(again.logs))
+    assert len(moved) == 1 and moved[0] % H == 0 and moved[0] > killed_at, \
+        (moved, killed_at, failure_report(again.logs))
     assert sorted(again.logs[0].losses) == list(range(moved[0] + 1, iters + 1))
     lossy = [r for r in b if r["num_clusters"] == 2]
     print(f"FAULT (Megatron) cluster 0 SIGKILLed at iteration {killed_at}: {len(lossy)} rounds with clusters 1, 2 "

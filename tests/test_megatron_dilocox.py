@@ -8,9 +8,8 @@ import os
 
 import pytest
 
-from megatron_dilocox.harness.launch import run
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
-from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags
+from tests.megatron_flags import failure_report, run_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
 
 pytestmark = pytest.mark.megatron
 
@@ -22,18 +21,8 @@ def corpus(kjv):
     return str(kjv)
 
 
-def gpt_flags(corpus, iters=ITERS, *extra):
-    return tiny_gpt_flags(corpus, iters, *extra)
-
-
-def dilocox_flags(tmp_path, *extra):
-    return tiny_dilocox_flags(tmp_path, *extra)
-
-
 def launch(clusters, nproc, megatron, dilocox=None, timeout=420, **kw):
-    codes, logs = run(clusters, nproc, megatron, dilocox_args=dilocox, timeout=timeout, echo=False,
-                      env={"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}, **kw)
-    return codes, logs
+    return run_on_cpu(clusters, nproc, megatron, dilocox, timeout=timeout, **kw)
 
 
 def assert_ok(codes, logs):
@@ -58,11 +47,11 @@ def assert_loss_falls(log, margin):
 
 
 def test_two_clusters_tp1_pp2(corpus, tmp_path):
-    codes, logs = launch(2, 2, gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
-                                         "--tensorboard-dir", f"{tmp_path}/tb_c{{cluster}}",
-                                         "--wandb-project", "dilocox-test", "--wandb-exp-name", "c{cluster}",
-                                         "--wandb-save-dir", f"{tmp_path}/wandb_c{{cluster}}"),
-                         dilocox_flags(tmp_path), per_cluster_args={1: ["--eval-iters", "40"]})
+    codes, logs = launch(2, 2, tiny_gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
+                                              "--tensorboard-dir", f"{tmp_path}/tb_c{{cluster}}",
+                                              "--wandb-project", "dilocox-test", "--wandb-exp-name", "c{cluster}",
+                                              "--wandb-save-dir", f"{tmp_path}/wandb_c{{cluster}}"),
+                         tiny_dilocox_flags(tmp_path), per_cluster_args={1: ["--eval-iters", "40"]})
     assert_ok(codes, logs)
     # cluster 1 evaluates 20x longer, so it outlives cluster 0 (the inter-cluster store's host) by seconds: its
     # heartbeat stopped at the final flush, not at exit, so nothing beat into the closed store (torch logged a
@@ -90,9 +79,9 @@ def test_two_clusters_tp1_pp2(corpus, tmp_path):
 
 def test_two_clusters_tp2_dp2_distributed_optimizer(corpus, tmp_path):
     """Flat distributed-optimizer shards, compressed per parameter view (row-aligned matrices)."""
-    codes, logs = launch(2, 4, gpt_flags(corpus, ITERS, "--tensor-model-parallel-size", "2",
-                                         "--use-distributed-optimizer", "--overlap-grad-reduce"),
-                         dilocox_flags(tmp_path))
+    codes, logs = launch(2, 4, tiny_gpt_flags(corpus, ITERS, "--tensor-model-parallel-size", "2",
+                                              "--use-distributed-optimizer", "--overlap-grad-reduce"),
+                         tiny_dilocox_flags(tmp_path))
     assert_ok(codes, logs)
     assert_clusters_agree(tmp_path, 2, ITERS // 4)
     for log in logs:
@@ -102,13 +91,13 @@ def test_two_clusters_tp2_dp2_distributed_optimizer(corpus, tmp_path):
 def test_data_parallel_without_distributed_optimizer(corpus, tmp_path):
     """DP2 replicas: views dealt round-robin over the DP ranks, broadcast inside the DP group, so the
     cluster sends one replica's worth (what a 1-process cluster sends), not two."""
-    dl = dilocox_flags(tmp_path, "--dilocox-overlap", "none", "--dilocox-no-adaptive-rank")
-    codes, logs = launch(2, 2, gpt_flags(corpus, 8), dl)
+    dl = tiny_dilocox_flags(tmp_path, "--dilocox-overlap", "none", "--dilocox-no-adaptive-rank")
+    codes, logs = launch(2, 2, tiny_gpt_flags(corpus, 8), dl)
     assert_ok(codes, logs)
     dp2 = assert_clusters_agree(tmp_path, 2, 2)
     for c in range(2):
         os.rename(f"{tmp_path}/metrics_c{c}.jsonl", f"{tmp_path}/dp2_c{c}.jsonl")
-    codes, logs = launch(2, 1, gpt_flags(corpus, 8), dl)
+    codes, logs = launch(2, 1, tiny_gpt_flags(corpus, 8), dl)
     assert_ok(codes, logs)
     dp1 = assert_clusters_agree(tmp_path, 2, 2)
     for a, b in zip(dp2[0], dp1[0]):
@@ -121,9 +110,9 @@ def test_interleaved_pipeline_schedule_with_fragments(corpus, tmp_path):
     """Virtual pipeline chunks (each rank's views from two model chunks), synced as two fragments per rank
     (--dilocox-fragments 2, overlap none, H = 4): fragment 1's rounds end at 2, 6, 10, 14 and, at the end,
     its last 2 steps; fragment 0's at 4, 8, 12, 16. Every row: the same whole-model hash on both clusters."""
-    codes, logs = launch(2, 2, gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
-                                         "--num-layers-per-virtual-pipeline-stage", "1"),
-                         dilocox_flags(tmp_path, "--dilocox-overlap", "none", "--dilocox-fragments", "2"))
+    codes, logs = launch(2, 2, tiny_gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
+                                              "--num-layers-per-virtual-pipeline-stage", "1"),
+                         tiny_dilocox_flags(tmp_path, "--dilocox-overlap", "none", "--dilocox-fragments", "2"))
     assert_ok(codes, logs)
     rows = [read_rows(f"{tmp_path}/metrics_c{c}.jsonl") for c in range(2)]
     schedule = [(1, 1, 2), (0, 1, 4), (1, 2, 6), (0, 2, 8), (1, 3, 10), (0, 3, 12), (1, 4, 14), (0, 4, 16), (1, 5, 16)]
@@ -138,7 +127,7 @@ def test_interleaved_pipeline_schedule_with_fragments(corpus, tmp_path):
 def test_without_dilocox_flags_the_entry_is_plain_megatron(corpus, tmp_path):
     """No --dilocox: Megatron's own optimizer (no DiLoCoX line, no metrics). And DiLoCoX reduced to
     plain training (C=1, no compression, outer lr 1, momentum 0) gives the same losses."""
-    flags = gpt_flags(corpus, 8, "--pipeline-model-parallel-size", "2")
+    flags = tiny_gpt_flags(corpus, 8, "--pipeline-model-parallel-size", "2")
     codes, plain = launch(1, 2, flags)
     assert_ok(codes, plain)
     assert not any("[dilocox]" in line for line in plain[0].lines)
@@ -160,20 +149,21 @@ def test_without_dilocox_flags_the_entry_is_plain_megatron(corpus, tmp_path):
      "--dilocox-lowrank-rank: rank 100 exceeds min(rows, cols) = 64"),
 ])
 def test_bad_flags_stop_before_training(corpus, tmp_path, flags, message):
-    codes, logs = launch(1, 1, gpt_flags(corpus, 4), flags, timeout=180)
+    codes, logs = launch(1, 1, tiny_gpt_flags(corpus, 4), flags, timeout=180)
     text = "\n".join(logs[0].lines)
     assert codes[0] != 0 and message in text, text[-3000:]
     assert not logs[0].losses  # not one training iteration ran
 
 
 def test_flags_without_enable_are_an_error(corpus):
-    codes, logs = launch(1, 1, gpt_flags(corpus, 4, "--dilocox-h", "5"), timeout=180)
+    codes, logs = launch(1, 1, tiny_gpt_flags(corpus, 4, "--dilocox-h", "5"), timeout=180)
     assert codes[0] != 0
     assert "--dilocox-h given without --dilocox" in "\n".join(logs[0].lines)
 
 
 def test_clusters_with_different_layouts_are_refused_at_rendezvous(corpus, tmp_path):
-    codes, logs = launch(2, 2, gpt_flags(corpus, 4), dilocox_flags(tmp_path, "--dilocox-timeout-seconds", "60"),
+    codes, logs = launch(2, 2, tiny_gpt_flags(corpus, 4),
+                         tiny_dilocox_flags(tmp_path, "--dilocox-timeout-seconds", "60"),
                          per_cluster_args={0: ["--pipeline-model-parallel-size", "2"],
                                            1: ["--tensor-model-parallel-size", "2"]})
     assert codes[0] != 0 and codes[1] != 0
@@ -186,13 +176,13 @@ def test_clusters_with_different_layouts_are_refused_at_rendezvous(corpus, tmp_p
 
 def test_checkpoint_carries_dilocox_state_and_training_continues(corpus, tmp_path):
     ckpt = f"{tmp_path}/ckpt_c{{cluster}}"
-    flags = gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2", "--save", ckpt, "--load", ckpt,
-                      "--save-interval", "8", "--ckpt-format", "torch_dist")
-    codes, first = launch(2, 2, flags + ["--exit-interval", "8"], dilocox_flags(tmp_path))
+    flags = tiny_gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2", "--save", ckpt, "--load", ckpt,
+                           "--save-interval", "8", "--ckpt-format", "torch_dist")
+    codes, first = launch(2, 2, flags + ["--exit-interval", "8"], tiny_dilocox_flags(tmp_path))
     assert_ok(codes, first)
     before = read_rows(f"{tmp_path}/metrics_c0.jsonl")
     assert [r["round"] for r in before] == [1]  # round 2 was in flight at iteration 8: saved with its result
-    codes, second = launch(2, 2, flags, dilocox_flags(tmp_path))
+    codes, second = launch(2, 2, flags, tiny_dilocox_flags(tmp_path))
     assert_ok(codes, second)
     assert min(second[0].losses) == 9 and max(second[0].losses) == ITERS
     assert_clusters_agree(tmp_path, 2, ITERS // 4)  # rounds 1..4 exactly once, hashes equal
@@ -236,7 +226,7 @@ def test_evaluation_measures_the_global_model(corpus, tmp_path):
     and per-round pseudo-gradient norms and global-model hashes (exact fp32 bits of φ, which depend on θ at
     iteration 8), so the swaps at 2, 4, 6 left θ bitwise as it was. Two layouts (DP2 each): replicas with
     round-robin view ownership, and the distributed optimizer with overlapped grad reduce / param gather."""
-    codes, frozen = launch(1, 2, gpt_flags(corpus, 8, "--eval-interval", "2", "--lr", "0"))
+    codes, frozen = launch(1, 2, tiny_gpt_flags(corpus, 8, "--eval-interval", "2", "--lr", "0"))
     assert_ok(codes, frozen)
     initial = frozen[0].valid_losses[:3]
     assert len(initial) == 3
@@ -246,8 +236,8 @@ def test_evaluation_measures_the_global_model(corpus, tmp_path):
         for interval in (2, 8):
             out = tmp_path / f"{name}_{interval}"
             out.mkdir()
-            codes, logs = launch(1, 2, gpt_flags(corpus, 8, "--eval-interval", str(interval), *layout),
-                                 dilocox_flags(out, "--dilocox-no-adaptive-rank"))
+            codes, logs = launch(1, 2, tiny_gpt_flags(corpus, 8, "--eval-interval", str(interval), *layout),
+                                 tiny_dilocox_flags(out, "--dilocox-no-adaptive-rank"))
             assert_ok(codes, logs)
             runs[interval] = logs[0], read_rows(f"{out}/metrics_c0.jsonl")
         (every2, rows2), (end_only, rows8) = runs[2], runs[8]

@@ -25,20 +25,21 @@ import os
 import re
 import shutil
 import signal
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from megatron_dilocox.harness.launch import run, start
 from megatron_dilocox.metrics import read_rows
-from tests.megatron_flags import failure_report, tiny_dilocox_flags, tiny_gpt_flags
+from megatron_dilocox.sim.cost_model import round_bytes
+from tests.megatron_flags import (failure_report, metrics_rows, run_on_cpu, start_on_cpu, tiny_dilocox_flags,
+                                  tiny_gpt_flags)
+from tests.moe_shapes import EXPERTS, LAYERS, TINY_MOE, dense_107b_count, moe_param_counts
 
 pytestmark = pytest.mark.megatron
 
 ITERS, H = 8, 4
-ENV = {"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
 TIMEOUT = 500
-HIDDEN, FFN, VOCAB, EXPERTS, LAYERS = 64, 256, 4096, 4, 2
 
 MOE = ["--num-experts", str(EXPERTS), "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
        "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
@@ -46,23 +47,6 @@ MOE = ["--num-experts", str(EXPERTS), "--moe-router-topk", "2", "--moe-aux-loss-
 DENSE_107B = ["--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
               "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--use-distributed-optimizer",
               "--bf16"]
-
-
-def moe_param_counts():
-    """(dense, expert, router) element counts of the MoE GPT: tied embedding, LayerNorms with bias, biased linears."""
-    attention = (3 * HIDDEN * HIDDEN + 3 * HIDDEN) + (HIDDEN * HIDDEN + HIDDEN) + 2 * 2 * HIDDEN  # qkv, proj, 2 LNs
-    dense = VOCAB * HIDDEN + LAYERS * attention + 2 * HIDDEN
-    expert = LAYERS * EXPERTS * ((FFN * HIDDEN + FFN) + (HIDDEN * FFN + HIDDEN))
-    router = LAYERS * (EXPERTS * HIDDEN + EXPERTS)
-    return dense, expert, router
-
-
-def dense_107b_count():
-    """GQA (4 heads, 2 groups of 16), SwiGLU fc1 [2F, H] with Megatron's F = 64 * int(8H/3 / 64) = 128, RMSNorm
-    (weight only), no biases, untied output layer."""
-    kv, ffn = 2 * 2 * (HIDDEN // 4), 64 * int(8 * HIDDEN / 3 / 64)
-    layer = HIDDEN * (HIDDEN + kv) + HIDDEN * HIDDEN + 2 * ffn * HIDDEN + HIDDEN * ffn + 2 * HIDDEN
-    return 2 * VOCAB * HIDDEN + LAYERS * layer + HIDDEN
 
 
 MOE_REPLICAS = [f for f in MOE if f != "--use-distributed-optimizer"]  # EP2 x DP2, every DP rank a full replica
@@ -78,16 +62,7 @@ def launch(corpus, out, name, checkpoints=False):
     ckpt = f"{out}/ckpt_c{{cluster}}"
     saving = ["--save", ckpt, "--load", ckpt, "--save-interval", str(H), "--ckpt-format", "torch_dist"]
     megatron = tiny_gpt_flags(str(corpus), ITERS, *extra, *(saving if checkpoints else []), layers=LAYERS, seq=64)
-    return start(2, nproc, megatron, tiny_dilocox_flags(out, "--dilocox-no-adaptive-rank", h=H), env=ENV, echo=False)
-
-
-def metrics(out, c):
-    path = f"{out}/metrics_c{c}.jsonl"
-    return read_rows(path) if os.path.exists(path) else []
-
-
-def tail(logs):
-    return failure_report(logs)
+    return start_on_cpu(2, nproc, megatron, tiny_dilocox_flags(out, "--dilocox-no-adaptive-rank", h=H))
 
 
 def megatron_args(log) -> dict:
@@ -108,7 +83,7 @@ def reference(request, kjv, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     cl = launch(kjv, out, request.param, checkpoints=request.param in CHECKPOINTING_REFERENCE)
     codes = cl.wait(TIMEOUT)
-    assert codes == [0, 0], tail(cl.logs)
+    assert codes == [0, 0], failure_report(cl.logs)
     rows = [read_rows(f"{out}/metrics_c{c}.jsonl") for c in range(2)]
     return SimpleNamespace(name=request.param, out=out, logs=cl.logs, rows=rows)
 
@@ -148,10 +123,6 @@ def test_clusters_agree_loss_falls_bytes_match_closed_form(reference):
             assert shown["use_distributed_optimizer"] == str(reference.name == "moe")
             aux = [line for line in logs[c].lines if " iteration " in line and "load_balancing_loss: " in line]
             assert len(aux) == ITERS, aux
-        from dataclasses import replace
-
-        from megatron_dilocox.sim.cost_model import round_bytes
-        from tests.test_sim_moe import TINY_MOE
         if reference.name == "moe":
             assert all(x["numel"]["expert"] == expert // 4 for x in lay[0].values())
             # the planner's model of this run: the same elements and dense bytes; its DiLoCoX bytes approximate
@@ -175,7 +146,7 @@ def assert_continuation_is_the_reference(reference, logs, out, seen):
     for c, log in enumerate(logs):
         ref = reference.logs[c]
         agreed = [line for line in log.lines if f"DiLoCoX resume: every cluster loads iteration {H} " in line]
-        assert len(agreed) == 1, tail([log])
+        assert len(agreed) == 1, failure_report([log])
         assert sorted(log.losses) == sorted(log.grad_norms) == list(range(H + 1, ITERS + 1))
         for it in range(H + 1, ITERS + 1):
             assert log.grad_norms[it] == ref.grad_norms[it], (c, it)
@@ -184,7 +155,7 @@ def assert_continuation_is_the_reference(reference, logs, out, seen):
                 assert abs(log.losses[it] - mean) <= 1e-6 * mean, (c, it)
             else:
                 assert log.losses[it] == ref.losses[it], (c, it, log.losses[it], ref.losses[it])
-        new = metrics(out, c)[seen[c]:]
+        new = metrics_rows(out, c)[seen[c]:]
         old = [r for r in reference.rows[c] if r["iteration"] > H]
         assert [r["round"] for r in new] == [r["round"] for r in old] == [1, 2]
         for a, b in zip(new, old):
@@ -199,16 +170,16 @@ def test_sigkill_and_restart_resume_bitwise(reference, kjv, tmp_path):
     checkpoint 4); both clusters restart from 4 and replay iterations 5-8 and rounds 1-2 bitwise."""
     cl = launch(kjv, tmp_path, reference.name, checkpoints=True)
     try:
-        assert cl.logs[1].wait_for(lambda log: 5 in log.losses, TIMEOUT), tail(cl.logs)
+        assert cl.logs[1].wait_for(lambda log: 5 in log.losses, TIMEOUT), failure_report(cl.logs)
         cl.kill(1, signal.SIGKILL, rank=0)
         assert cl.logs[1].wait_for(lambda log: log.ended, 60), "torchrun did not take cluster 1 down"
         cl.logs[0].wait_for(lambda log: log.ended, 5)
     finally:
         cl.wait(1)
     assert max(cl.logs[1].losses) in (5, 6, 7), sorted(cl.logs[1].losses)
-    seen = [len(metrics(tmp_path, c)) for c in range(2)]  # none yet: both rounds are applied at iteration 8
+    seen = [len(metrics_rows(tmp_path, c)) for c in range(2)]  # none yet: both rounds are applied at iteration 8
     again = launch(kjv, tmp_path, reference.name, checkpoints=True)
-    assert again.wait(TIMEOUT) == [0, 0], tail(again.logs)
+    assert again.wait(TIMEOUT) == [0, 0], failure_report(again.logs)
     assert_continuation_is_the_reference(reference, again.logs, tmp_path, seen)
 
 
@@ -224,17 +195,17 @@ def test_restart_from_the_references_checkpoint_resumes_bitwise(reference, kjv, 
                                             "latest_checkpointed_iteration.txt"], os.listdir(ckpt)
         shutil.rmtree(f"{ckpt}/iter_{ITERS:07d}")
     again = launch(kjv, tmp_path, reference.name, checkpoints=True)
-    assert again.wait(TIMEOUT) == [0, 0], tail(again.logs)
+    assert again.wait(TIMEOUT) == [0, 0], failure_report(again.logs)
     assert_continuation_is_the_reference(reference, again.logs, tmp_path, [0, 0])
 
 
 def test_clusters_with_a_different_expert_layout_are_refused(kjv, tmp_path):
     """Cluster 0: 4 experts over EP2; cluster 1: 2 experts, EP1. Both stop at the rendezvous naming both settings."""
     megatron = tiny_gpt_flags(str(kjv), 4, "--moe-router-topk", "2", layers=LAYERS, seq=64)
-    codes, logs = run(2, 2, megatron, tiny_dilocox_flags(tmp_path, "--dilocox-timeout-seconds", "60"), env=ENV,
-                      echo=False, timeout=300,
-                      per_cluster_args={0: ["--num-experts", "4", "--expert-model-parallel-size", "2"],
-                                        1: ["--num-experts", "2", "--expert-model-parallel-size", "1"]})
+    codes, logs = run_on_cpu(2, 2, megatron, tiny_dilocox_flags(tmp_path, "--dilocox-timeout-seconds", "60"),
+                             timeout=300,
+                             per_cluster_args={0: ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+                                               1: ["--num-experts", "2", "--expert-model-parallel-size", "1"]})
     assert codes[0] != 0 and codes[1] != 0
     for log in logs:
         text = "\n".join(log.lines)

@@ -10,39 +10,20 @@ from megatron_dilocox.compression.codec import HEADER_BYTES
 from megatron_dilocox.compression.quantize import payload_bytes
 from megatron_dilocox.harness.spawn import free_port, run_clusters
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
-from tests.workers import HIDDEN, IN, OUT, batch, loss_fn, make_model, rendezvous_worker, train_worker
+from tests.workers import (HIDDEN, IN, OUT, SECRET, assert_no_errors, batch, dilocox_spec, loss_fn, make_model,
+                           rendezvous_worker, train_clusters)
 
 pytestmark = pytest.mark.core
-
-SECRET = "test-secret"
-
-
-def spec(C, **dilocox):
-    # timing-free: fixed H, and a delayed round lands at the boundary (adaptive τ follows wall times)
-    base = dict(num_clusters=C, rendezvous=f"127.0.0.1:{free_port()}", secret=SECRET, timeout_seconds=60,
-                adaptive_h=False, overlap_steps=None)
-    base.update(dilocox)
-    return base
-
-
-def run(C, ranks=1, timeout=240, **kw):
-    return run_clusters(train_worker, C, ranks, args=(kw,), timeout=timeout)
-
-
-def assert_no_errors(res):
-    errors = {k: v["error"] for k, v in res.items() if v["error"]}
-    assert not errors, errors
-
 
 @pytest.mark.parametrize("basis", ["local", "shared"])
 def test_two_clusters_two_ranks_delay_mode_compressed(tmp_path, basis):
     """Identical global model on every cluster after each applied round; bytes equal the closed form (the
     same for both low-rank bases: the local basis all-gathers the shared basis's factor shapes in one phase)."""
     C, rank, bits, block = 2, 4, 4, 32
-    res = run(C, ranks=2, steps=12, metrics_dir=str(tmp_path),
-              dilocox=spec(C, h=3, lowrank_rank=rank, lowrank_min_dim=8, quant_bits=bits, quant_block_size=block,
-                           adaptive_rank=False, outer_lr=0.7, outer_momentum=0.9,
-                           lowrank_basis=basis))
+    res = train_clusters(C, ranks=2, steps=12, metrics_dir=str(tmp_path),
+                         dilocox=dilocox_spec(C, h=3, lowrank_rank=rank, lowrank_min_dim=8, quant_bits=bits,
+                                              quant_block_size=block, adaptive_rank=False, outer_lr=0.7,
+                                              outer_momentum=0.9, lowrank_basis=basis))
     assert_no_errors(res)
     rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
     assert [r["round"] for r in rows0] == [1, 2, 3, 4] and len(rows1) == 4  # 3 delayed + the final flush
@@ -71,8 +52,9 @@ def test_two_clusters_one_bit_whole_agree_bitwise_and_bytes_are_the_closed_form(
     """--dilocox-quant-bits 1 across real processes: every tensor whole as signs + one scale per block, one
     all-gather per round of exactly the closed form; the clusters hold bitwise the same global model."""
     C, bits, block = 2, 1, 32
-    res = run(C, steps=8, metrics_dir=str(tmp_path),
-              dilocox=spec(C, h=2, lowrank=False, quant_bits=bits, quant_block_size=block, adaptive_h=False))
+    res = train_clusters(C, steps=8, metrics_dir=str(tmp_path),
+                         dilocox=dilocox_spec(C, h=2, lowrank=False, quant_bits=bits, quant_block_size=block,
+                                              adaptive_h=False))
     assert_no_errors(res)
     rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
     assert len(rows0) == len(rows1) == 4 and len({r["global_model_hash"] for r in rows0}) == 4
@@ -92,8 +74,9 @@ def test_two_clusters_two_fragments_agree_bitwise_and_bytes_are_each_fragments_c
     0's at 4, 8, 12; the end sends fragment 1's last 2 steps. Every row: the same whole-model hash on both
     clusters, one all-gather of that fragment's int4 payload."""
     C, bits, block = 2, 4, 32
-    res = run(C, steps=12, metrics_dir=str(tmp_path),
-              dilocox=spec(C, h=4, fragments=2, overlap="one-step-delay", lowrank=False, quant_bits=bits, quant_block_size=block))
+    res = train_clusters(C, steps=12, metrics_dir=str(tmp_path),
+                         dilocox=dilocox_spec(C, h=4, fragments=2, overlap="one-step-delay", lowrank=False,
+                                              quant_bits=bits, quant_block_size=block))
     assert_no_errors(res)
     rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
     schedule = [(r["fragment"], r["round"], r["launched_at"]) for r in rows0]
@@ -115,7 +98,8 @@ def test_start_sends_cluster_0_model_only_where_it_differs(same_init):
     """Clusters seeded alike (Megatron's --seed) already agree: start() compares a digest and sends nothing
     (a 107B model over 1 Gbit/s would take an hour); differing inits get cluster 0's model."""
     C = 2
-    res = run(C, ranks=2, steps=2, same_init=same_init, dilocox=spec(C, h=2, lowrank=False, quant_bits=32))
+    res = train_clusters(C, ranks=2, steps=2, same_init=same_init,
+                         dilocox=dilocox_spec(C, h=2, lowrank=False, quant_bits=32))
     assert_no_errors(res)
     for lr in range(2):
         assert [res[(c, lr)]["start_broadcast"] for c in range(C)] == [not same_init] * C
@@ -126,8 +110,9 @@ def test_start_sends_cluster_0_model_only_where_it_differs(same_init):
 
 def test_three_clusters_no_overlap_replicas_identical_after_every_round():
     C = 3
-    res = run(C, steps=8, dilocox=spec(C, h=2, overlap="none", lowrank_rank=4, lowrank_min_dim=8, quant_bits=8,
-                                        quant_block_size=64, adaptive_rank=True, lowrank_rank_max=8))
+    res = train_clusters(C, steps=8, dilocox=dilocox_spec(C, h=2, overlap="none", lowrank_rank=4, lowrank_min_dim=8,
+                                                          quant_bits=8, quant_block_size=64, adaptive_rank=True,
+                                                          lowrank_rank_max=8))
     assert_no_errors(res)
     for c in (1, 2):
         for p0, pc in zip(res[(0, 0)]["params"], res[(c, 0)]["params"]):  # θ = φ after each round
@@ -140,9 +125,9 @@ def test_three_clusters_no_overlap_replicas_identical_after_every_round():
 @pytest.mark.parametrize("C", [2, 3])
 def test_h1_uncompressed_outer_sgd_equals_synchronous_data_parallel_sgd(C):
     steps, lr = 6, 0.05
-    res = run(C, steps=steps, inner="sgd", inner_lr=lr,
-              dilocox=spec(C, h=1, overlap="none", lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0,
-                           outer_lr_warmup_iters=0))
+    res = train_clusters(C, steps=steps, inner="sgd", inner_lr=lr,
+                         dilocox=dilocox_spec(C, h=1, overlap="none", lowrank=False, quant_bits=32, outer_lr=1.0,
+                                              outer_momentum=0.0, outer_lr_warmup_iters=0))
     assert_no_errors(res)
     ref = make_model(0)  # cluster 0's initial model is broadcast to all
     for step in range(steps):
@@ -174,9 +159,9 @@ def test_delayed_overlap_variants_match_single_process_reference_round_by_round(
     on w (δ_t − δ_{t−1}) (eager, w = 1/C by default: the last average with this cluster's stale term replaced
     by its fresh one)."""
     C, H, steps, lr_out, mom = 2, 3, 12, 0.7, 0.9
-    res = run(C, steps=steps, inner="adam", inner_lr=0.01, finalize=False,
-              dilocox=spec(C, h=H, lowrank=False, quant_bits=32, outer_lr=lr_out, outer_momentum=mom, outer_lr_warmup_iters=0,
-                           overlap=overlap, delay_local_weight=alpha))
+    res = train_clusters(C, steps=steps, inner="adam", inner_lr=0.01, finalize=False,
+                         dilocox=dilocox_spec(C, h=H, lowrank=False, quant_bits=32, outer_lr=lr_out, outer_momentum=mom,
+                                              outer_lr_warmup_iters=0, overlap=overlap, delay_local_weight=alpha))
     assert_no_errors(res)
     corr = [[torch.zeros_like(p) for p in make_model(0).parameters()] for _ in range(C)]
     corr_buf, prev = [None] * C, [[torch.zeros_like(p) for p in make_model(0).parameters()] for _ in range(C)]
@@ -232,9 +217,9 @@ def test_background_transfer_overlaps_with_inner_steps():
     """A slow link (0.45 s per all-gather, 2 per round with the local basis = 0.9 s) hidden behind H=12 steps
     of 0.1 s."""
     C = 2
-    res = run(C, steps=24, step_sleep=0.1, slow_gather=0.45, finalize=True,
-              dilocox=spec(C, h=12, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8, quant_block_size=64,
-                           adaptive_rank=False))
+    res = train_clusters(C, steps=24, step_sleep=0.1, slow_gather=0.45, finalize=True,
+                         dilocox=dilocox_spec(C, h=12, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8,
+                                              quant_block_size=64, adaptive_rank=False))
     assert_no_errors(res)
     out = res[(0, 0)]
     start, end = out["exchange_spans"][0]
@@ -255,9 +240,10 @@ def test_link_budget_sends_whole_on_a_fast_link_and_compresses_on_a_high_latency
     the rank down to --dilocox-lowrank-rank-min. Bytes equal the closed form of each row's rank; the clusters
     agree bitwise after every round."""
     C, rank, bits, block = 2, 4, 4, 32
-    res = run(C, steps=24, step_sleep=0.1, metrics_dir=str(tmp_path), slow_gather=0.5 if link == "high-latency" else 0.0,
-              dilocox=spec(C, h=3, lowrank_rank=rank, lowrank_min_dim=8, quant_bits=bits, quant_block_size=block,
-                           overlap="one-step-delay", lowrank_rank_min=1))
+    res = train_clusters(C, steps=24, step_sleep=0.1, metrics_dir=str(tmp_path),
+                         slow_gather=0.5 if link == "high-latency" else 0.0,
+                         dilocox=dilocox_spec(C, h=3, lowrank_rank=rank, lowrank_min_dim=8, quant_bits=bits,
+                                              quant_block_size=block, overlap="one-step-delay", lowrank_rank_min=1))
     assert_no_errors(res)
     rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
     ranks = [r["lowrank_rank"] for r in rows0]
@@ -279,7 +265,7 @@ def test_link_budget_sends_whole_on_a_fast_link_and_compresses_on_a_high_latency
 
 def test_wrong_secret_is_refused_with_clear_error():
     C = 2
-    s = dict(dilocox=spec(C, timeout_seconds=6), secrets=[SECRET, "not-the-secret"])
+    s = dict(dilocox=dilocox_spec(C, timeout_seconds=6), secrets=[SECRET, "not-the-secret"])
     res = run_clusters(rendezvous_worker, C, 1, args=(s,), timeout=60)
     assert res[(1, 0)].startswith("RendezvousError: DiLoCoX rendezvous refused by cluster 0: wrong secret from cluster 1")
     assert res[(0, 0)].startswith("RendezvousError: DiLoCoX rendezvous: cluster 1 did not present a valid secret")
@@ -288,7 +274,7 @@ def test_wrong_secret_is_refused_with_clear_error():
 
 def test_clusters_that_disagree_are_refused_naming_the_difference():
     C = 2
-    s = dict(dilocox=spec(C), secrets=[SECRET] * 2,
+    s = dict(dilocox=dilocox_spec(C), secrets=[SECRET] * 2,
              fingerprints=[{"seed": 1234, "layout": "tp1pp2"}, {"seed": 99, "layout": "tp1pp2"}])
     res = run_clusters(rendezvous_worker, C, 1, args=(s,), timeout=60)
     for c in range(C):
@@ -298,8 +284,8 @@ def test_clusters_that_disagree_are_refused_naming_the_difference():
 
 def test_payload_of_wrong_shape_is_refused_without_touching_the_model():
     C = 2
-    res = run(C, steps=4, wrong_shape_on_cluster=1,
-              dilocox=spec(C, h=2, overlap="none", lowrank_rank=2, lowrank_min_dim=8, quant_bits=8))
+    res = train_clusters(C, steps=4, wrong_shape_on_cluster=1,
+                         dilocox=dilocox_spec(C, h=2, overlap="none", lowrank_rank=2, lowrank_min_dim=8, quant_bits=8))
     for c in range(C):
         out = res[(c, 0)]
         # refused identically on both clusters (the coordinator's verdict), and the run stops
@@ -312,8 +298,8 @@ def test_payload_of_wrong_shape_is_refused_without_touching_the_model():
 
 def test_non_finite_pseudo_gradient_is_refused_and_the_global_model_is_untouched():
     C = 2
-    res = run(C, steps=4, nan_cluster=1, nan_at_step=2,
-              dilocox=spec(C, h=2, overlap="none", lowrank_rank=2, lowrank_min_dim=8, quant_bits=8))
+    res = train_clusters(C, steps=4, nan_cluster=1, nan_at_step=2,
+                         dilocox=dilocox_spec(C, h=2, overlap="none", lowrank_rank=2, lowrank_min_dim=8, quant_bits=8))
     bad, good = res[(1, 0)], res[(0, 0)]
     assert bad["error"].startswith("DivergedError: DiLoCoX round 2: this cluster's pseudo-gradient has NaN/Inf")
     assert good["error"] is None
@@ -330,7 +316,8 @@ def test_non_finite_pseudo_gradient_is_refused_and_the_global_model_is_untouched
 ])
 def test_payload_of_wrong_round_or_dtype_is_refused_on_every_cluster_and_the_run_stops(fault, expected):
     C = 2
-    res = run(C, steps=6, dilocox=spec(C, h=2, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8), **fault)
+    res = train_clusters(C, steps=6, dilocox=dilocox_spec(C, h=2, lowrank_rank=2, lowrank_min_dim=8, quant_bits=8),
+                         **fault)
     for c in range(C):
         out = res[(c, 0)]
         # each cluster names its own round number; the reason is the coordinator's, the same everywhere

@@ -9,9 +9,8 @@ from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.nesterov import OuterNesterov
 from megatron_dilocox.outer.cluster import IntraCluster
 from megatron_dilocox.outer.link import agree_on_cluster
-from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.sync import DiLoCoXSync, DivergedError
-from tests.workers import batch, loss_fn, make_inner, make_model
+from tests.workers import inner_step, make_inner, make_model, train_one_cluster
 
 pytestmark = pytest.mark.unit
 
@@ -33,51 +32,15 @@ def test_outer_step_equals_torch_sgd_with_delta_as_gradient(nesterov):
             assert torch.equal(p.detach(), a)
 
 
-def inner_step(model, opt, step):
-    """One inner step of the test network on cluster 0's data."""
-    loss = loss_fn(model, *batch(0, 0, step))
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
-
-
-def train(steps, dilocox=None, inner="adam", save_at=None, load=None):
-    """Train the test network on cluster 0's data; optionally with DiLoCoX (C=1)."""
-    model = make_model(0)
-    opt = make_inner(model, inner, 0.01)
-    sync = None
-    if dilocox is not None:
-        sync = make_sync([p.data for p in model.parameters()], DiLoCoXConfig(**dilocox)).start()
-    first = 0
-    if load is not None:
-        model.load_state_dict(load["model"])
-        opt.load_state_dict(load["opt"])
-        sync.load_state_dict(load["sync"])
-        first = load["step"]
-    losses, saved = [], None
-    for step in range(first, steps):
-        loss = inner_step(model, opt, step)
-        if sync is not None:
-            sync.after_inner_step()
-        losses.append(float(loss.detach()))
-        if save_at == step + 1:
-            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                     "opt": __import__("copy").deepcopy(opt.state_dict()), "sync": sync.state_dict(), "step": step + 1}
-    if sync is not None:
-        sync.close()
-    return losses, [p.detach().clone() for p in model.parameters()], saved, sync
-
-
 @pytest.mark.parametrize("overlap,tau", [("none", None), ("one-step-delay", None), ("eager", None),
                                          ("one-step-delay", 2), ("eager", 1)])
 def test_single_cluster_reproduces_plain_training(overlap, tau):
     """C = 1, outer lr 1, no momentum: every round (landing at H or τ < H steps in) gives back θ."""
-    plain_losses, plain_params, _, _ = train(24)
+    plain_losses, plain_params, _, _ = train_one_cluster(24)
     cfg = dict(h=4, overlap=overlap, lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0,
                outer_lr_warmup_iters=0,
                adaptive_h=False, overlap_steps=tau)
-    losses, params, _, sync = train(24, cfg)
+    losses, params, _, sync = train_one_cluster(24, cfg)
     assert sync.round == 6
     # Not bitwise: θ is rebuilt as φ − (φ − θ) at each boundary, which rounds in fp32 (|θ| <= ~1 here,
     # so one rounding is <= 6e-8); six rounds of it stay far below 1e-6.
@@ -92,8 +55,8 @@ def test_resume_from_state_dict_mid_round_is_bitwise_identical(overlap, tau, sav
     step 11, after), resume in a fresh sync: same bits."""
     cfg = dict(h=4, overlap=overlap, lowrank_rank=2, lowrank_min_dim=8, quant_bits=4, quant_block_size=32,
                adaptive_h=False, adaptive_rank=True, lowrank_rank_max=4, overlap_steps=tau)
-    full_losses, full_params, saved, _ = train(20, cfg, save_at=save_at)
-    resumed_losses, resumed_params, _, _ = train(20, cfg, load=saved)
+    full_losses, full_params, saved, _ = train_one_cluster(20, cfg, save_at=save_at)
+    resumed_losses, resumed_params, _, _ = train_one_cluster(20, cfg, load=saved)
     assert resumed_losses == full_losses[save_at:]
     assert all(torch.equal(a, b) for a, b in zip(resumed_params, full_params))
 
@@ -188,7 +151,7 @@ def test_adaptive_tau_follows_the_measured_transfer(monkeypatch):
         seen.append((result.peer_comm_seconds, result.peer_step_seconds))
         adapt(self, result)
     monkeypatch.setattr(DiLoCoXSync, "_adapt", recording_adapt)
-    _, _, _, sync = train(16, dict(h=4, overlap="eager", lowrank=False, quant_bits=32, overlap_steps=0))
+    _, _, _, sync = train_one_cluster(16, dict(h=4, overlap="eager", lowrank=False, quant_bits=32, overlap_steps=0))
     assert seen[0][0] == 0.0 and seen[1][0] > 0  # round 1 carries no transfer time, round 2 the first
     tau_after_round_2 = min(4, max(1, math.ceil(2 * seen[1][0] / seen[1][1])))
     assert [r["iteration"] for r in sync.rows][:2] == [5, 9]
@@ -218,7 +181,7 @@ def test_adaptive_tau_lands_at_the_boundary_when_the_round_could_land_only_at_it
     monkeypatch.setattr(DiLoCoXSync, "_adapt", recording_adapt)
     monkeypatch.setattr(DiLoCoXSync, "boundary", recording_boundary)
     monkeypatch.setattr(DiLoCoXSync, "after_inner_step", slow_step)
-    _, _, _, sync = train(12, dict(h=1, overlap="eager", lowrank=False, quant_bits=32, overlap_steps=0))
+    _, _, _, sync = train_one_cluster(12, dict(h=1, overlap="eager", lowrank=False, quant_bits=32, overlap_steps=0))
     taus = [1] + [0 if 0 < t <= SYNC_LANDING_STEPS * s else 1 for t, s in seen]  # τ of rounds 1, 2, ...
     landed = [r["launched_at"] + taus[r["round"] - 1] for r in sync.rows]
     assert [r["iteration"] for r in sync.rows] == landed

@@ -18,9 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
-from megatron_dilocox.harness.launch import run
 from megatron_dilocox.metrics import read_rows
+from tests.megatron_flags import failure_report, run_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -253,11 +252,12 @@ def tiny_dilocox(metrics_dir):
 
 
 def launch(module, flags, dilocox, pythonpath=None, clusters=2, timeout=300):
-    env = {"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
+    """``module`` as the entry of each cluster; ``pythonpath`` first on the path (a patched Megatron)."""
+    env = {}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), str(ROOT)] + (
             [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-    return run(clusters, 1, flags, dilocox_args=dilocox, env=env, timeout=timeout, echo=False, module=module)
+    return run_on_cpu(clusters, 1, flags, dilocox, env=env, timeout=timeout, module=module)
 
 
 @pytest.mark.megatron
@@ -267,10 +267,10 @@ def test_explicit_hook_trains_exactly_like_the_runtime_seam(corpus, patched_mega
     seam_dir.mkdir()
     explicit_dir.mkdir()
     codes, seam = launch("megatron_dilocox.pretrain_gpt", flags, tiny_dilocox(seam_dir))
-    assert codes == [0, 0], "\n".join("\n".join(log.lines[-30:]) for log in seam)
+    assert codes == [0, 0], failure_report(seam)
     codes, explicit = launch("megatron_dilocox.glue.explicit", flags, tiny_dilocox(explicit_dir),
                              pythonpath=patched_megatron)
-    assert codes == [0, 0], "\n".join("\n".join(log.lines[-30:]) for log in explicit)
+    assert codes == [0, 0], failure_report(explicit)
 
     for c in range(2):
         text = "\n".join(explicit[c].lines)

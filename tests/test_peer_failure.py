@@ -9,8 +9,8 @@ restarted cluster rejoin at a round boundary with the global state, after which 
 import pytest
 import torch
 
-from megatron_dilocox.harness.spawn import free_port, run_clusters
-from tests.workers import train_worker
+from megatron_dilocox.harness.spawn import free_port
+from tests.workers import train_clusters
 
 pytestmark = pytest.mark.core
 
@@ -25,10 +25,6 @@ def spec(C, **dilocox):
     return base
 
 
-def run(slots, may_die, **kw):
-    return run_clusters(train_worker, slots, 1, args=(kw,), timeout=240, may_die=may_die)
-
-
 def finite(tensors):
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
@@ -36,8 +32,8 @@ def finite(tensors):
 @pytest.mark.parametrize("overlap", ["one-step-delay", pytest.param("none", marks=pytest.mark.slow)])
 def test_stop_policy_drops_the_round_on_every_survivor_and_names_the_lost_cluster(overlap):
     # cluster 2 dies before step 10, in the middle of round 3 (rounds end after steps 4, 8, 12, ...)
-    res = run(3, may_die=(2,), steps=24, step_sleep=0.05, die={"slot": 2, "step": 10},
-              dilocox=spec(3, overlap=overlap, on_peer_failure="stop"))
+    res = train_clusters(3, may_die=(2,), steps=24, step_sleep=0.05, die={"slot": 2, "step": 10},
+                         dilocox=spec(3, overlap=overlap, on_peer_failure="stop"))
     assert (2, 0) not in res
     a, b = res[(0, 0)], res[(1, 0)]
     for out in (a, b):
@@ -59,8 +55,8 @@ def test_stop_policy_drops_the_round_on_every_survivor_and_names_the_lost_cluste
 
 
 def test_continue_policy_carries_on_with_the_survivors():
-    res = run(3, may_die=(2,), steps=24, step_sleep=0.05, die={"slot": 2, "step": 10},
-              dilocox=spec(3, on_peer_failure="continue"))
+    res = train_clusters(3, may_die=(2,), steps=24, step_sleep=0.05, die={"slot": 2, "step": 10},
+                         dilocox=spec(3, on_peer_failure="continue"))
     a, b = res[(0, 0)], res[(1, 0)]
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
     rounds = [r["round"] for r in a["rows"]]
@@ -80,9 +76,9 @@ def test_continue_policy_carries_on_with_the_survivors():
 def test_a_restarted_cluster_rejoins_with_the_global_state_and_all_agree_again(overlap):
     # slot 1 = cluster 1, killed before step 6; slot 2 = cluster 1 restarted (a new process, started 4 s
     # after the others: if it asks to join before the loss is detected it waits to be admitted)
-    res = run(3, may_die=(1,), steps=80, step_sleep=0.15, die={"slot": 1, "step": 6},
-              as_cluster={"2": 1}, start_delay={"2": 4.0},
-              dilocox=spec(2, overlap=overlap, on_peer_failure="continue", timeout_seconds=2 * TIMEOUT))
+    res = train_clusters(3, may_die=(1,), steps=80, step_sleep=0.15, die={"slot": 1, "step": 6},
+                         as_cluster={"2": 1}, start_delay={"2": 4.0},
+                         dilocox=spec(2, overlap=overlap, on_peer_failure="continue", timeout_seconds=2 * TIMEOUT))
     # (a longer timeout: the joiner's start-up and authentication must fit in it on a loaded host)
     a, j = res[(0, 0)], res[(2, 0)]
     assert a["error"] is None and j["error"] is None, (a["error"], j["error"])
@@ -104,8 +100,8 @@ def test_a_one_sided_transport_error_does_not_leave_the_peer_waiting_for_the_glo
     """Cluster 1's 6th all-gather fails before it starts (cluster 0 is already inside it, waiting on cluster 1):
     cluster 1 closes its group as it votes, so cluster 0's collective fails at once, not at the gloo timeout
     (in the soak a survivor still sending to another one waited that long); the round is retried by both."""
-    res = run(2, may_die=(), steps=24, step_sleep=0.05, fail_gather=(1, 6),
-              dilocox=spec(2, on_peer_failure="continue"))
+    res = train_clusters(2, may_die=(), steps=24, step_sleep=0.05, fail_gather=(1, 6),
+                         dilocox=spec(2, on_peer_failure="continue"))
     a, b = res[(0, 0)], res[(1, 0)]
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
     assert b["injected_failure"] and not a["injected_failure"]

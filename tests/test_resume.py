@@ -23,11 +23,9 @@ import pytest
 
 from megatron_dilocox.glue import checkpoints as ck
 from megatron_dilocox.harness.launch import start
-from megatron_dilocox.metrics import read_rows
-from tests.megatron_flags import tiny_dilocox_flags, tiny_gpt_flags
+from tests.megatron_flags import failure_report, metrics_rows, start_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
 
 ITERS, H, SAVE_INTERVAL = 16, 4, 4
-ENV = {"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
 RUN_TIMEOUT = 400
 AGREED_RE = re.compile(r"DiLoCoX resume: every cluster loads iteration (\d+)")
 
@@ -37,22 +35,13 @@ def launch(corpus, out):
     ckpt = f"{out}/ckpt_c{{cluster}}"
     flags = tiny_gpt_flags(str(corpus), ITERS, "--save", ckpt, "--load", ckpt, "--save-interval", str(SAVE_INTERVAL),
                            "--ckpt-format", "torch_dist")
-    return start(2, 1, flags, tiny_dilocox_flags(out, h=H), env=ENV, echo=False)
-
-
-def tail(logs):
-    return "\n".join("\n".join(log.lines[-30:]) for log in logs)
+    return start_on_cpu(2, 1, flags, tiny_dilocox_flags(out, h=H))
 
 
 def finish(clusters):
     codes = clusters.wait(RUN_TIMEOUT)
-    assert codes == [0, 0], tail(clusters.logs)
+    assert codes == [0, 0], failure_report(clusters.logs)
     return clusters.logs
-
-
-def metrics(out, c):
-    path = f"{out}/metrics_c{c}.jsonl"
-    return read_rows(path) if os.path.exists(path) else []
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +52,16 @@ def reference(kjv, tmp_path_factory):
         assert sorted(logs[c].losses) == sorted(logs[c].grad_norms) == list(range(1, ITERS + 1))
         assert ck.complete_iterations(f"{out}/ckpt_c{c}") == list(range(SAVE_INTERVAL, ITERS + 1, SAVE_INTERVAL))
         assert ck.read_tracker(f"{out}/ckpt_c{c}") == ITERS
-    return SimpleNamespace(out=out, logs=logs, rows=[metrics(out, c) for c in range(2)])
+    return SimpleNamespace(out=out, logs=logs, rows=[metrics_rows(out, c) for c in range(2)])
 
 
 def resume_and_compare(corpus, out, reference, expect_agreed):
     """Restart both clusters with the same flags; the continuation must equal the reference bitwise."""
-    seen = [len(metrics(out, c)) for c in range(2)]
+    seen = [len(metrics_rows(out, c)) for c in range(2)]
     logs = finish(launch(corpus, out))
     for c, log in enumerate(logs):
         agreed = [int(m.group(1)) for line in log.lines if (m := AGREED_RE.search(line))]
-        assert agreed == [expect_agreed], tail([log])
+        assert agreed == [expect_agreed], failure_report([log])
         ref = reference.logs[c]
         after = list(range(expect_agreed + 1, ITERS + 1))
         assert sorted(log.losses) == sorted(log.grad_norms) == after
@@ -83,7 +72,7 @@ def resume_and_compare(corpus, out, reference, expect_agreed):
                 assert float(f"{log.losses[it]:.6E}") == log.losses[it] and abs(log.losses[it] - mean) <= 1e-6 * mean
             else:
                 assert log.losses[it] == ref.losses[it], (c, it, log.losses[it], ref.losses[it])
-        rows = metrics(out, c)[seen[c]:]
+        rows = metrics_rows(out, c)[seen[c]:]
         ref_rows = [r for r in reference.rows[c] if r["iteration"] > expect_agreed]
         assert [r["round"] for r in rows] == [r["round"] for r in ref_rows] and rows, (c, rows)
         for new, old in zip(rows, ref_rows):
@@ -103,7 +92,7 @@ def test_kill_between_boundaries_with_a_round_outstanding(kjv, tmp_path, referen
     result saved with checkpoint 8) and is applied at 12. Both clusters resume from 8 and replay bitwise."""
     run = launch(kjv, tmp_path)
     try:
-        assert run.logs[1].wait_for(lambda log: 10 in log.losses, RUN_TIMEOUT), tail(run.logs)
+        assert run.logs[1].wait_for(lambda log: 10 in log.losses, RUN_TIMEOUT), failure_report(run.logs)
         run.kill(1, signal.SIGKILL, rank=0)
         killed_after = run.logs[1].last_iteration
         assert run.logs[1].wait_for(lambda log: log.ended, 60), "torchrun did not take cluster 1 down"
@@ -135,7 +124,7 @@ def test_kill_while_a_checkpoint_is_written(kjv, tmp_path, reference):
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
         while not os.path.exists(target):
-            assert time.monotonic() < deadline and run.procs[1].poll() is None, tail(run.logs)
+            assert time.monotonic() < deadline and run.procs[1].poll() is None, failure_report(run.logs)
             time.sleep(0.002)
         run.kill(1, signal.SIGKILL, rank=0)
         assert run.logs[1].wait_for(lambda log: log.ended, 60), "torchrun did not take cluster 1 down"

@@ -69,12 +69,12 @@ def _file_blobs(path: str):
 def test_secret_never_leaks_from_a_real_two_cluster_run(tmp_path):
     from megatron_dilocox.harness.launch import run
     from megatron_dilocox.metrics import read_rows
-    from tests.test_bad_input import megatron_flags
+    from tests.megatron_flags import mock_gpt_flags
 
     secret = "dlxsec-" + secrets.token_hex(24)
     marker = "run-" + secrets.token_hex(8)
     d = str(tmp_path)
-    flags = megatron_flags(iters=4, global_batch=2, eval_iters=1) + [
+    flags = mock_gpt_flags(iters=4, global_batch=2, eval_iters=1) + [
         "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist", "--save", f"{d}/ckpt_c{{cluster}}",
         "--save-interval", "2",
         "--tensorboard-dir", f"{d}/tb_c{{cluster}}", "--wandb-project", "dilocox-security",

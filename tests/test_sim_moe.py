@@ -4,16 +4,12 @@ import subprocess
 import sys
 from dataclasses import replace
 
-from megatron_dilocox.sim.cost_model import Setup, active_params, model_params, predict, rank_views, round_bytes
-from tests.test_moe import moe_param_counts
 import pytest
 
-pytestmark = pytest.mark.unit
+from megatron_dilocox.sim.cost_model import Setup, active_params, model_params, predict, rank_views, round_bytes
+from tests.moe_shapes import TINY_MOE, moe_param_counts
 
-# tests/test_moe.py's MoE GPT: 2 layers, hidden 64, FFN 256, 4 experts top-2, biases, tied; EP2 x DP2, dist-opt
-TINY_MOE = Setup(hidden=64, layers=2, ffn=256, vocab=4096, heads=4, swiglu=False, tied_embeddings=True, bias=True,
-                 clusters=2, tp=1, pp=1, dp=4, distributed_optimizer=True, experts=4, topk=2, ep=2, rank=4, bits=4,
-                 block=64, min_dim=32)
+pytestmark = pytest.mark.unit
 
 
 def test_moe_parameter_counts_and_partition():

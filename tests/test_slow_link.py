@@ -20,10 +20,9 @@ from megatron_dilocox.outer.link import LinkRate
 from megatron_dilocox.outer.nesterov import OuterNesterov
 from megatron_dilocox.outer.streaming import StreamingSync
 from megatron_dilocox.outer.sync import DiLoCoXSync
-from tests import test_outer
-from tests.test_outer import inner_step, train
-from tests.test_multiprocess import assert_no_errors, run, spec
-from tests.workers import HIDDEN, IN, OUT, make_inner, make_model
+from tests import workers
+from tests.workers import (HIDDEN, IN, OUT, assert_no_errors, dilocox_spec, inner_step, make_inner, make_model,
+                           train_clusters, train_one_cluster)
 
 
 def _sync(rank=0, h=100, tau=100, rate=1e-5, budget=True):
@@ -113,9 +112,9 @@ def to_fragments(cfg):
 
 def switch_after(monkeypatch, landed_rounds):
     """The rule answers yes from the landing of round ``landed_rounds`` on (C = 1 has no transfers to time);
-    ``train`` makes a SlowLinkSync of its settings."""
+    ``train_one_cluster`` makes a SlowLinkSync of its settings."""
     monkeypatch.setattr(plan, "link_holds_whole_rounds", lambda s: s.round >= landed_rounds)
-    monkeypatch.setattr(test_outer, "make_sync", lambda params, cfg, *args, **kwargs: SlowLinkSync(
+    monkeypatch.setattr(workers, "make_sync", lambda params, cfg, *args, **kwargs: SlowLinkSync(
         DiLoCoXSync(params, cfg, *args, **kwargs), to_fragments(cfg)))
 
 
@@ -125,10 +124,10 @@ def test_a_switched_single_cluster_reproduces_plain_training(monkeypatch):
     the switch (fragment 0's round ends there, fragment j's 2j steps later, each landing 2 steps after it leaves);
     every round before and after gives back θ."""
     switch_after(monkeypatch, 2)
-    plain_losses, plain_params, _, _ = train(40)
+    plain_losses, plain_params, _, _ = train_one_cluster(40)
     cfg = dict(h=8, lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0, outer_lr_warmup_iters=0,
                adaptive_h=False, overlap_steps=2, slow_link_fragments=4)
-    losses, params, _, sync = train(40, cfg)
+    losses, params, _, sync = train_one_cluster(40, cfg)
     assert sync.switched_at == 24 and len(sync.fragments) == 4
     assert [(r["fragment"], r["round"], r["launched_at"], r["iteration"]) for r in sync.rows] == [
         (0, 1, 8, 10), (0, 2, 16, 18),  # unfragmented
@@ -148,11 +147,11 @@ def test_outer_steps_after_the_switch_take_the_fragments_default_lr(monkeypatch)
     monkeypatch.setattr(OuterNesterov, "step", lambda self, delta, lr=None: taken.append(lr) or step(self, delta, lr))
     cfg = dict(h=8, lowrank=False, quant_bits=32, outer_lr_warmup_iters=0, adaptive_h=False, overlap_steps=2,
                slow_link_fragments=4)
-    train(40, cfg)
+    train_one_cluster(40, cfg)
     # rounds 1-2 whole (eager: the shared step and the local correction's, each), rounds 3-4 as 4 fragments
     assert taken == [1.0] * 4 + [1.3] * 8
     taken.clear()
-    train(40, dict(cfg, outer_lr=0.9))
+    train_one_cluster(40, dict(cfg, outer_lr=0.9))
     assert taken == [0.9] * 12
 
 
@@ -165,9 +164,9 @@ def test_resume_before_the_decision_before_the_switch_and_after_it_is_bitwise(mo
     switch_after(monkeypatch, 2)
     cfg = dict(h=8, lowrank_rank=2, lowrank_min_dim=8, quant_bits=4, quant_block_size=32, adaptive_h=False,
                adaptive_rank=True, lowrank_rank_max=4, overlap_steps=3, slow_link_fragments=4)
-    full_losses, full_params, saved, full = train(40, cfg, save_at=save_at)
+    full_losses, full_params, saved, full = train_one_cluster(40, cfg, save_at=save_at)
     assert full.switched_at == 24
-    resumed_losses, resumed_params, _, resumed = train(40, cfg, load=copy.deepcopy(saved))
+    resumed_losses, resumed_params, _, resumed = train_one_cluster(40, cfg, load=copy.deepcopy(saved))
     assert len(resumed.fragments) == 4
     assert resumed_losses == full_losses[save_at:]
     assert all(torch.equal(a, b) for a, b in zip(resumed_params, full_params))
@@ -183,9 +182,9 @@ def test_two_clusters_on_a_slow_link_switch_at_the_same_boundary_and_agree_bitwi
     steps). Both clusters switch there, every
     row carries the same global-model hash on both, and each round's bytes are its closed form."""
     C, bits, block = 2, 4, 32
-    res = run(C, ranks=2, steps=32, step_sleep=0.05, slow_gather=0.3, metrics_dir=str(tmp_path),
-              dilocox=spec(C, h=8, overlap_steps=0, lowrank=False, quant_bits=bits, quant_block_size=block,
-                           slow_link_fragments=2))
+    res = train_clusters(C, ranks=2, steps=32, step_sleep=0.05, slow_gather=0.3, metrics_dir=str(tmp_path),
+                         dilocox=dilocox_spec(C, h=8, overlap_steps=0, lowrank=False, quant_bits=bits,
+                                              quant_block_size=block, slow_link_fragments=2))
     assert_no_errors(res)
     rows0, rows1 = (read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C))
     schedule = [(r["fragment"], r["round"], r["launched_at"]) for r in rows0]

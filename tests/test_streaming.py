@@ -9,8 +9,7 @@ from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.streaming import StreamingSync, split_fragments
 from megatron_dilocox.outer.sync import DiLoCoXSync
-from tests.test_outer import inner_step, train
-from tests.workers import make_inner, make_model
+from tests.workers import inner_step, make_inner, make_model, train_one_cluster
 
 pytestmark = pytest.mark.unit
 
@@ -116,7 +115,7 @@ def test_outer_steps_match_an_independent_per_fragment_reference():
     steps, h, f = 26, 6, 3
     cfg = dict(h=h, fragments=f, overlap="none", lowrank=False, quant_bits=32, outer_lr=0.7, outer_momentum=0.9,
                outer_lr_warmup_iters=0, adaptive_h=False)
-    _, params, _, _ = train(steps, cfg)
+    _, params, _, _ = train_one_cluster(steps, cfg)
 
     model = make_model(0)
     opt = make_inner(model, "adam", 0.01)
@@ -141,10 +140,10 @@ def test_outer_steps_match_an_independent_per_fragment_reference():
 @pytest.mark.parametrize("overlap,tau", [("none", None), ("one-step-delay", None), ("one-step-delay", 2)])
 def test_single_cluster_with_fragments_reproduces_plain_training(overlap, tau):
     """C = 1, outer lr 1, no momentum: every fragment's round gives back θ, whatever lands when."""
-    plain_losses, plain_params, _, _ = train(24)
+    plain_losses, plain_params, _, _ = train_one_cluster(24)
     cfg = dict(h=8, fragments=4, overlap=overlap, lowrank=False, quant_bits=32, outer_lr=1.0, outer_momentum=0.0,
                outer_lr_warmup_iters=0, adaptive_h=False, overlap_steps=tau)
-    losses, params, _, sync = train(24, cfg)
+    losses, params, _, sync = train_one_cluster(24, cfg)
     assert [f.round for f in sync.fragments] == [3, 3, 3, 3]
     # as test_outer's C = 1 reduction: a few fp32 roundings of φ − (φ − θ) per round
     assert max(abs(a - b) for a, b in zip(losses, plain_losses)) < 1e-6
@@ -156,8 +155,8 @@ def test_resume_with_fragments_in_flight_is_bitwise_identical(save_at):
     """Saved while fragments' rounds are in flight (H = 8, F = 4, τ = 3, compressed, adaptive rank)."""
     cfg = dict(h=8, fragments=4, overlap="one-step-delay", lowrank_rank=2, lowrank_min_dim=8, quant_bits=4,
                quant_block_size=32, adaptive_h=False, adaptive_rank=True, lowrank_rank_max=4, overlap_steps=3)
-    full_losses, full_params, saved, _ = train(20, cfg, save_at=save_at)
-    resumed_losses, resumed_params, _, _ = train(20, cfg, load=copy.deepcopy(saved))
+    full_losses, full_params, saved, _ = train_one_cluster(20, cfg, save_at=save_at)
+    resumed_losses, resumed_params, _, _ = train_one_cluster(20, cfg, load=copy.deepcopy(saved))
     assert resumed_losses == full_losses[save_at:]
     assert all(torch.equal(a, b) for a, b in zip(resumed_params, full_params))
 

@@ -2,41 +2,16 @@
 
 Needs root and `ip netns`; skipped otherwise. About 30 s.
 """
-import importlib.util
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-WAN_PY = Path(__file__).resolve().parent.parent / "scripts" / "wan" / "wan.py"
+from tests.wan_helpers import WAN_PY, skip_reason
 
-
-def _skip_reason():
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "needs root (network namespaces, veth, tc)"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "iproute2 (ip, tc) not installed"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` unavailable"
-    return None
-
-
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
-
-
-@pytest.fixture(scope="module")
-def wan():
-    spec = importlib.util.spec_from_file_location("dlx_wan", WAN_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.down(kill=True)  # stale state from an earlier run
-    yield mod
-    mod.down(kill=True)  # whatever a failing test left behind
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
 
 
 def root_links():

@@ -1,4 +1,5 @@
-"""A small real training workload for the core tests, run in separate processes (one world per cluster).
+"""A small real training workload for the core tests, run in separate processes (one world per cluster), and the
+same workload in this process for the single-cluster tests.
 
 Each simulated cluster trains the same two-layer network on its own regression data; ``batch`` is a
 pure function of (cluster, local rank, step) so single-process references can replay exactly the same
@@ -6,6 +7,7 @@ data. Every process returns plain tensors/dicts for the parent test to check.
 """
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
@@ -13,12 +15,14 @@ import time
 import torch
 
 from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.harness.spawn import free_port, run_clusters
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
 from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.net.topology import InterClusterGroup, connect_store
 
 IN, HIDDEN, OUT = 16, 32, 8
+SECRET = "test-secret"
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -41,6 +45,44 @@ def make_inner(model, kind: str, lr: float):
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr)
     return torch.optim.Adam(model.parameters(), lr=lr)
+
+
+def inner_step(model, opt, step):
+    """One inner step of the test network on cluster 0's data."""
+    loss = loss_fn(model, *batch(0, 0, step))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def train_one_cluster(steps, dilocox=None, inner="adam", save_at=None, load=None):
+    """Train the test network on cluster 0's data in this process; optionally with DiLoCoX (C = 1), its sync made
+    by this module's ``make_sync`` (a test may monkeypatch it). Returns (losses, final parameters, the state saved
+    after step ``save_at``, the sync); ``load``: such a state to resume from."""
+    model = make_model(0)
+    opt = make_inner(model, inner, 0.01)
+    sync = None
+    if dilocox is not None:
+        sync = make_sync([p.data for p in model.parameters()], DiLoCoXConfig(**dilocox)).start()
+    first = 0
+    if load is not None:
+        model.load_state_dict(load["model"])
+        opt.load_state_dict(load["opt"])
+        sync.load_state_dict(load["sync"])
+        first = load["step"]
+    losses, saved = [], None
+    for step in range(first, steps):
+        loss = inner_step(model, opt, step)
+        if sync is not None:
+            sync.after_inner_step()
+        losses.append(float(loss.detach()))
+        if save_at == step + 1:
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                     "opt": copy.deepcopy(opt.state_dict()), "sync": sync.state_dict(), "step": step + 1}
+    if sync is not None:
+        sync.close()
+    return losses, [p.detach().clone() for p in model.parameters()], saved, sync
 
 
 class SlowGroup(InterClusterGroup):
@@ -154,3 +196,22 @@ def rendezvous_worker(cluster: int, local_rank: int, spec: dict) -> str:
         return "joined"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+def dilocox_spec(C, **dilocox):
+    """The DiLoCoX settings of a C-cluster run of ``train_worker`` on loopback, timing-free: fixed H, and a delayed
+    round lands at the boundary (adaptive H and τ follow wall times); ``dilocox`` overrides."""
+    base = dict(num_clusters=C, rendezvous=f"127.0.0.1:{free_port()}", secret=SECRET, timeout_seconds=60,
+                adaptive_h=False, overlap_steps=None)
+    base.update(dilocox)
+    return base
+
+
+def train_clusters(C, ranks=1, timeout=240, may_die=(), **spec):
+    """``train_worker`` in C clusters of ``ranks`` processes each: {(cluster, local rank): its result}."""
+    return run_clusters(train_worker, C, ranks, args=(spec,), timeout=timeout, may_die=may_die)
+
+
+def assert_no_errors(res):
+    errors = {k: v["error"] for k, v in res.items() if v["error"]}
+    assert not errors, errors
