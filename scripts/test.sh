@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the test suite. CI runs exactly this (README, second command): every tier.
-#   bash scripts/test.sh            every tier: unit, core, megatron, netns, slurm (docs/testing.md)
-#   bash scripts/test.sh --quick    the unit and core tiers only (no Megatron, no namespaces, no SLURM)
-# Further arguments go to pytest (e.g. -m megatron, -k resume, DILOCOX_RUN_SLOW=1 for the slow runs).
+#   bash scripts/test.sh             every tier (docs/testing.md): unit and core on 3 pytest workers (their
+#                                    processes mostly wait on heartbeats and paced steps), then megatron, netns
+#                                    and slurm one test at a time (they keep the cores busy and some time links)
+#   bash scripts/test.sh --quick     the unit and core tiers only (no Megatron, no namespaces, no SLURM)
+#   bash scripts/test.sh ARGS...     pytest ARGS on tests/, one process (e.g. -m megatron, -k resume,
+#                                    tests/test_outer.py); DILOCOX_RUN_SLOW=1 or -m slow runs the slow ones too
 set -euo pipefail
 cd "$(dirname "$0")/.."
-quick=()
-if [ "${1:-}" = "--quick" ]; then
-  shift
-  quick=(-m "(unit or core) and not slow")
-fi
 bash scripts/setup.sh
+pytest=(.venv/bin/python -m pytest -q)
+if [ "${1:-}" = "--quick" ]; then
+  exec "${pytest[@]}" --durations=15 -n 3 -m "(unit or core) and not slow" tests
+fi
 # The SLURM tests start a real SLURM on this host (tests/slurm_cluster.py): its Debian packages.
-if [ ${#quick[@]} = 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v slurmctld >/dev/null 2>&1; then
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v slurmctld >/dev/null 2>&1; then
   apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1 \
     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; }
 fi
-exec .venv/bin/python -m pytest -q --durations=25 "${quick[@]}" tests "$@"
+if [ $# -gt 0 ]; then
+  exec "${pytest[@]}" --durations=25 tests "$@"
+fi
+rc=0
+"${pytest[@]}" --durations=15 -n 3 -m "unit or core" tests || rc=$?
+"${pytest[@]}" --durations=25 -m "megatron or netns or slurm" tests || rc=$?
+exit $rc

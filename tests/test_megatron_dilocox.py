@@ -9,7 +9,7 @@ import os
 import pytest
 
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
-from tests.megatron_flags import failure_report, run_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
+from tests.megatron_flags import failure_report, run_many_on_cpu, run_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
 
 pytestmark = pytest.mark.megatron
 
@@ -142,23 +142,27 @@ def test_without_dilocox_flags_the_entry_is_plain_megatron(corpus, tmp_path):
         assert abs(plain[0].losses[it] - reduced[0].losses[it]) <= 1e-5 * plain[0].losses[it], it
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--dilocox-overlap", "streaming"], "--dilocox-overlap: must be one of none, one-step-delay, eager, got 'streaming'"),
-    (["--dilocox-quant-bits", "3"], "--dilocox-quant-bits: must be one of 1, 4, 8, 16, 32 (32 = off), got 3"),
-    (["--dilocox-lowrank-rank", "100", "--dilocox-lowrank-min-dim", "32"],
-     "--dilocox-lowrank-rank: rank 100 exceeds min(rows, cols) = 64"),
-])
-def test_bad_flags_stop_before_training(corpus, tmp_path, flags, message):
-    codes, logs = launch(1, 1, tiny_gpt_flags(corpus, 4), flags, timeout=180)
-    text = "\n".join(logs[0].lines)
-    assert codes[0] != 0 and message in text, text[-3000:]
-    assert not logs[0].losses  # not one training iteration ran
+BAD_FLAGS = {  # (extra Megatron flags, DiLoCoX flags or None for no --dilocox) -> the message the run stops with
+    "overlap": ([], ["--dilocox-overlap", "streaming"],
+                "--dilocox-overlap: must be one of none, one-step-delay, eager, got 'streaming'"),
+    "bits": ([], ["--dilocox-quant-bits", "3"], "--dilocox-quant-bits: must be one of 1, 4, 8, 16, 32 (32 = off), got 3"),
+    "rank": ([], ["--dilocox-lowrank-rank", "100", "--dilocox-lowrank-min-dim", "32"],
+             "--dilocox-lowrank-rank: rank 100 exceeds min(rows, cols) = 64"),
+    "no-enable": (["--dilocox-h", "5"], None, "--dilocox-h given without --dilocox"),
+}
 
 
-def test_flags_without_enable_are_an_error(corpus):
-    codes, logs = launch(1, 1, tiny_gpt_flags(corpus, 4, "--dilocox-h", "5"), timeout=180)
-    assert codes[0] != 0
-    assert "--dilocox-h given without --dilocox" in "\n".join(logs[0].lines)
+def test_bad_flags_stop_before_training(corpus):
+    """Each bad command line (a value the config refuses, a rank above a matrix's dims, a --dilocox-* flag without
+    --dilocox) stops with its message before one iteration. The four one-process runs go side by side: each
+    is mostly start-up, so together they take about half as long as one after the other (17 s against 30 s)."""
+    results = run_many_on_cpu({name: (1, 1, tiny_gpt_flags(corpus, 4, *extra), dilocox)
+                               for name, (extra, dilocox, _) in BAD_FLAGS.items()}, timeout=300)
+    for name, (_, _, message) in BAD_FLAGS.items():
+        codes, logs = results[name]
+        text = "\n".join(logs[0].lines)
+        assert codes[0] != 0 and message in text, (name, text[-3000:])
+        assert not logs[0].losses, name  # not one training iteration ran
 
 
 def test_clusters_with_different_layouts_are_refused_at_rendezvous(corpus, tmp_path):
