@@ -51,11 +51,12 @@ MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
 class _Imports(ast.NodeVisitor):
-    """(imported name, at module level?) for every import statement of one module."""
+    """Every import statement of one source: ``(base, [imported names], at module level?)``, a relative
+    ``from`` resolved against ``package``; ``base`` is the module named after ``import`` / ``from``."""
 
-    def __init__(self, module: str, is_package: bool):
-        self.package = module if is_package else module.rpartition(".")[0]
-        self.found: list[tuple[str, bool]] = []
+    def __init__(self, package: str):
+        self.package = package
+        self.found: list[tuple[str, list[str], bool]] = []
         self._depth = 0
 
     def _function(self, node):
@@ -66,7 +67,7 @@ class _Imports(ast.NodeVisitor):
     visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
 
     def visit_Import(self, node):
-        self.found += [(alias.name, self._depth == 0) for alias in node.names]
+        self.found += [(alias.name, [], self._depth == 0) for alias in node.names]
 
     def visit_ImportFrom(self, node):
         base = node.module or ""
@@ -74,17 +75,24 @@ class _Imports(ast.NodeVisitor):
             anchor = self.package.split(".")
             anchor = anchor[:len(anchor) - (node.level - 1)]
             base = ".".join(anchor + ([base] if base else []))
-        for alias in node.names:
-            # a submodule if one exists by that name, else a name defined in ``base``
-            sub = f"{base}.{alias.name}"
-            self.found.append((sub if sub in MODULES else base, self._depth == 0))
+        self.found.append((base, [alias.name for alias in node.names], self._depth == 0))
+
+
+def import_statements(source: str, package: str) -> list[tuple[str, list[str], bool]]:
+    visitor = _Imports(package)
+    visitor.visit(ast.parse(source))
+    return visitor.found
 
 
 def imports_of(module: str) -> list[tuple[str, bool]]:
+    """(imported module, at module level?): ``from x import y`` is ``x.y`` where that is a submodule, else ``x``."""
     path = MODULES[module]
-    visitor = _Imports(module, path.name == "__init__.py")
-    visitor.visit(ast.parse(path.read_text(), filename=str(path)))
-    return visitor.found
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for base, names, top in import_statements(path.read_text(), package):
+        out += [(base, top)] if not names else [(f"{base}.{n}" if f"{base}.{n}" in MODULES else base, top)
+                                                for n in names]
+    return out
 
 
 IMPORTS = {m: imports_of(m) for m in MODULES}
@@ -198,15 +206,9 @@ def test_the_cycle_finder_finds_one():
 def imported_test_modules(source: str, module: str) -> set[str]:
     """The other ``tests.test_*`` modules that test module ``module``'s source imports, in any form and at any level."""
     found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = ".".join(["tests"] + ([node.module] if node.module else [])) if node.level else node.module or ""
-            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        found |= {name for name in names if name.startswith("tests.test_") and name.count(".") == 1}
+    for base, names, _ in import_statements(source, "tests"):
+        found |= {name for name in [base] + [f"{base}.{n}" for n in names]
+                  if name.startswith("tests.test_") and name.count(".") == 1}
     return found - {module}
 
 

@@ -31,8 +31,8 @@ from megatron_dilocox.harness.spawn import free_port
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+).*?elapsed time per iteration \(ms\): ([\d.]+).*?"
                      r"global batch size:\s+(\d+).*?lm loss: ([\d.Ee+-]+)")
 GRAD_NORM_RE = re.compile(r"\| grad norm: ([^\s|]+) \|")
-VALID_RE = re.compile(r"validation loss at .*?lm loss value: ([\d.Ee+-]+)")
-VALID_AT_RE = re.compile(r"validation loss at iteration (\d+)( on validation set)?")  # periodic, or the final one
+# "validation loss at iteration N | lm loss value: X" (periodic), "... at iteration N on validation set | ..." (final)
+VALID_RE = re.compile(r"validation loss at (?:iteration (\d+)( on validation set)?)?.*?lm loss value: ([\d.Ee+-]+)")
 
 
 @dataclass
@@ -64,9 +64,8 @@ class ClusterLog:
                     self.grad_norms[it] = float(g.group(1))
             m = VALID_RE.search(line)
             if m:
-                self.valid_losses.append(float(m.group(1)))
-                at = VALID_AT_RE.search(line)
-                self.valid_at.append((int(at.group(1)), bool(at.group(2))) if at else (None, False))
+                self.valid_losses.append(float(m.group(3)))
+                self.valid_at.append((int(m.group(1)) if m.group(1) else None, bool(m.group(2))))
             self._cond.notify_all()
 
     def end(self):

@@ -30,7 +30,7 @@ def series(logs, seq_length: int) -> dict:
     for c, log in enumerate(logs):
         per_iteration = log.global_batch * seq_length
         its = sorted(log.losses)
-        at = list(log.valid_at) + [(None, False)] * (len(log.valid_losses) - len(log.valid_at))
+        at = log.valid_at  # one (iteration, final?) per entry of valid_losses
         clusters.append({
             "cluster": c, "tokens_per_iteration": per_iteration,
             "train": {"iteration": its, "tokens": [i * per_iteration for i in its],
