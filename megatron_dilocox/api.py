@@ -44,7 +44,7 @@ class DiLoCoX:
 
     def __init__(self, model: Union[torch.nn.Module, Iterable[torch.Tensor]], inner: torch.optim.Optimizer,
                  config: DiLoCoXConfig, group: Optional[Collective] = None, intra: Optional[IntraCluster] = None,
-                 host_store: Optional[bool] = None, train_iters: Optional[int] = None):
+                 host_store: Optional[bool] = None, train_iters: Optional[int] = None, tokens_per_step: float = 1.0):
         self.config = config.validate()
         self.inner = inner
         self.params = _params(model)
@@ -55,6 +55,9 @@ class DiLoCoX:
                              f"parameters the optimizer owns (or a model whose trainable parameters it owns)")
         self._group, self._intra, self._host_store = group, intra, host_store
         self.train_iters = train_iters  # inner steps in the run, if known: the default outer-lr warm-up is a fifth
+        # what one inner step trains on (e.g. batch x sequence length): each round's weight in the average is its
+        # steps' sum; ``step(tokens=...)``-style variation goes through ``dl.sync.after_inner_step(tokens=...)``
+        self.tokens_per_step = float(tokens_per_step)
         self.sync: Optional[DiLoCoXSync] = None
         self._hook = None
 
@@ -74,7 +77,7 @@ class DiLoCoX:
         metrics = MetricsWriter(self.config.metrics_file if intra.is_writer else None)
         self.sync = make_sync([p.data for p in self.params], self.config, group, intra, metrics,
                                 train_iters=self.train_iters).start()
-        self._hook = self.inner.register_step_post_hook(lambda *_: self.sync.after_inner_step())
+        self._hook = self.inner.register_step_post_hook(lambda *_: self.sync.after_inner_step(tokens=self.tokens_per_step))
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -145,6 +145,9 @@ class DiLoCoXConfig:
     quant_bits: int = knob(4, "bits per transmitted value: 1 (sign x block mean |x|), 4, 8, 16 (bf16) or 32 (no quantization)")
     quant_block_size: int = knob(128, "values per quantization block (one fp32 scale each)")
     seed: int = knob(1234, "seed shared by all clusters (warm-start Q)")
+    token_weights: bool = knob(True, "weigh each cluster's pseudo-gradient in the average by the tokens it trained "
+                                     "on in the round (its steps x its tokens per step, carried in the round's "
+                                     "header); --dilocox-no-token-weights: equal weights (docs/algorithm.md#weights)")
 
     # Output.
     metrics_file: Optional[str] = knob(None, "JSONL file for per-round metrics (one row per round per cluster)")

@@ -8,6 +8,7 @@ data. Every process returns plain tensors/dicts for the parent test to check.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import signal
 import time
@@ -113,7 +114,9 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     """Run spec['steps'] inner steps with DiLoCoX; return per-round rows, anchors and losses.
 
     Fault tests: ``die`` = {"slot", "step"} SIGKILLs that slot's processes before that step;
-    ``as_cluster`` = {slot: cluster} starts a slot as another cluster's restart (after ``start_delay``)."""
+    ``as_cluster`` = {slot: cluster} starts a slot as another cluster's restart (after ``start_delay``).
+    ``tokens_by_cluster`` = {cluster: tokens per step} (the round's weight); ``corrupt`` = {"cluster", "round"}
+    adds 1 to one element of that cluster's global model once that round has been applied."""
     cluster = int(spec.get("as_cluster", {}).get(str(slot), slot))
     if spec.get("start_after_kill", {}).get(str(slot)):  # a restart: only once the killed slot is gone
         while not os.path.exists(spec["start_after_kill"][str(slot)]):
@@ -135,7 +138,14 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     inner = make_inner(model, spec.get("inner", "adam"), spec.get("inner_lr", 0.01))
     metrics = MetricsWriter(spec.get("metrics_dir") and f"{spec['metrics_dir']}/metrics_c{cluster}.jsonl")
     sync = make_sync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics).start()
-    out = {"rows": [], "anchors": [], "params": [], "losses": [], "step_times": [], "error": None,
+    warnings: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("megatron_dilocox").addHandler(handler)
+    tokens = spec.get("tokens_by_cluster", {}).get(str(cluster))
+    corrupt = spec.get("corrupt", {})
+    out = {"rows": [], "anchors": [], "params": [], "losses": [], "step_times": [], "error": None, "pre": [],
+           "warnings": warnings,
            "cluster": cluster, "joined_midrun": sync.joined_midrun, "first_iteration": sync.iteration,
            "start_broadcast": sync.start_broadcast, "t_started": t_started, "t_synced": time.time(),
            "start_params": [p.detach().clone() for p in model.parameters()]}
@@ -159,11 +169,17 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
             inner.step()
             if spec.get("step_sleep"):
                 time.sleep(spec["step_sleep"])
-            if sync.after_inner_step():
+            pre = [p.detach().clone() for p in model.parameters()] if spec.get("record_pre") else None
+            if sync.after_inner_step(tokens=tokens):
+                out["pre"].append(pre)  # θ just before the boundary (or landing)
                 out["anchors"].append([a.clone() for a in sync.anchor])
                 out["params"].append([p.detach().clone() for p in model.parameters()])
             out["losses"].append(float(loss.detach()))
             out["step_times"].append(time.time())
+            if corrupt.get("cluster") == cluster and len(sync.rows) == corrupt["round"] and not out.get("corrupted"):
+                with torch.no_grad():
+                    sync.global_params()[0].view(-1)[0] += 1.0  # e.g. an altered payload, or other hardware
+                out["corrupted"] = {"step": step, "round": len(sync.rows)}
             if sync.stopped:
                 out["error"] = sync.stopped
                 break

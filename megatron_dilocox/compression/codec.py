@@ -4,7 +4,8 @@ Per rank the codec owns the error-feedback buffers e and the warm-start Q of eve
 ``exchange`` turns this rank's pseudo-gradient δ into the cluster-average Δ:
 
     M = δ + e
-    header all-gather      (round, layout, rank, ok flag, timings: refuse mismatches before any payload)
+    header all-gather      (round, layout, rank, ok flag, timings, tokens, state hash: refuse mismatches
+                            before any payload)
     phase 1: P = M Q  (low-rank groups) and the small / 1-D tensors whole, quantized, averaged in fp32
     P^ = orth(mean P)                                  (identical on every cluster)
     phase 2: Q' = M^T P^, quantized, averaged in fp32  (+ energy statistics for adaptive rank)
@@ -15,7 +16,13 @@ quantized, in phase 1 alone; Q is kept as the warm start for when a rank returns
 
 Quantized payloads (4/8/16 bits) travel by all-gather and are summed locally in fp32 in cluster order, so
 no low-precision sum can overflow and every cluster gets bitwise the same Δ; fp32 payloads use a ring
-all-reduce (fewer bytes for C > 2). Error feedback is local (Vogels et al., 2019): the decompression of
+all-reduce (fewer bytes for C > 2).
+
+Weights: the average is Σ_c w_c x_c / Σ_c w_c, w_c the tokens cluster c trained on in the round (its header),
+so a site that trained on more tokens counts for more (docs/algorithm.md#weights). Every cluster computes the
+scales C·w_c/Σw from the same headers; when all weights are equal (lockstep sites of one batch size) no
+scale is applied at all, which keeps that case bitwise the plain mean. The header also carries each cluster's
+hash of its outer state at the round's launch (outer/sync.py compares them and repairs a site that differs). Error feedback is local (Vogels et al., 2019): the decompression of
 this cluster's own P^ Q'^T, so the running sum of transmitted updates equals the running sum of true
 updates minus the current e.
 
@@ -48,7 +55,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 
 MAGIC = 0x44694C6F  # "DiLo"
 HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step_seconds",
-                 "seconds_per_byte")
+                 "seconds_per_byte", "tokens", "state_hash")
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
 
 
@@ -80,6 +87,11 @@ class ExchangeResult:
     local_ok: bool = True
     lost: list = field(default_factory=list)  # clusters lost in this round (status "stopped: ...")
     launched_at: int = 0  # the iteration whose boundary launched this round
+    tokens: float = 0.0  # this cluster's weight: the tokens of its round
+    weights: list = field(default_factory=list)  # tokens per member (group order) this round was averaged with
+    state_hashes: list = field(default_factory=list)  # each member's outer-state hash at launch (group order)
+    repaired: list = field(default_factory=list)  # clusters whose outer state was replaced (outer/sync.py)
+    repair: Optional[list] = None  # (this cluster, when repaired) the reference's φ and momentum, flat
 
 
 class PseudoGradientCodec(LocalBasisExchange):
@@ -100,6 +112,7 @@ class PseudoGradientCodec(LocalBasisExchange):
         self.q = [lowrank.init_q(len(g.members), g.cols, self.rank, config.seed, gi, self.device)
                   for gi, g in enumerate(self.groups)]
         self.layout_hash = self._layout_hash()
+        self._scales: Optional[list] = None  # this round's C·w_c/Σw (None: equal weights)
         self.rank_cap = self._rank_cap(config.num_clusters)
 
     # ---------------------------------------------------------------------------------- layout
@@ -186,10 +199,13 @@ class PseudoGradientCodec(LocalBasisExchange):
     # ---------------------------------------------------------------------------------- exchange
     def exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
                  comm_seconds_prev: float = 0.0, step_seconds: float = 0.0,
-                 seconds_per_byte_prev: float = 0.0, link_steps: float = 0.0) -> ExchangeResult:
+                 seconds_per_byte_prev: float = 0.0, link_steps: float = 0.0, tokens: float = 1.0,
+                 state_hash: int = 0) -> ExchangeResult:
         """One round: compress M = δ + e, average over the clusters, keep the new e. ``link_steps`` > 0 (round 1
         under the link budget): first set the rank to what the link carries in that many steps, from the
-        header's figures (the same on every cluster, so all decide alike)."""
+        header's figures (the same on every cluster, so all decide alike). ``tokens``: this cluster's weight
+        in the average (the tokens of its round); ``state_hash``: its outer state's hash (< 2^48), passed
+        through to ``result.state_hashes``."""
         t_enter = time.perf_counter()
         C = coll.size
         sent0, recv0 = coll.counter.sent, coll.counter.received
@@ -216,7 +232,8 @@ class PseudoGradientCodec(LocalBasisExchange):
             return result
 
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
-                               comm_seconds_prev, step_seconds, seconds_per_byte_prev], dtype=torch.float64)
+                               comm_seconds_prev, step_seconds, seconds_per_byte_prev, tokens, state_hash],
+                              dtype=torch.float64)
         headers = [bytes_as(h, torch.float64) for h in coll.all_gather(header.view(torch.uint8))]
         result.peer_wait_seconds = time.perf_counter() - t_enter
         wire0 = (coll.counter.seconds, coll.counter.sent)
@@ -224,6 +241,9 @@ class PseudoGradientCodec(LocalBasisExchange):
         result.peer_comm_seconds = max(float(h[5]) for h in headers)
         result.peer_step_seconds = max(float(h[6]) for h in headers)
         result.peer_seconds_per_byte = max(float(h[7]) for h in headers)
+        result.weights, result.tokens = [float(h[8]) for h in headers], float(tokens)
+        result.state_hashes = [int(h[9]) for h in headers]
+        self._scales = self._weight_scales(result.weights)
         if link_steps > 0 and self.groups and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
             self.set_rank(self.link_rank(link_steps * result.peer_step_seconds, result.peer_seconds_per_byte, C),
                           round_idx)
@@ -282,6 +302,17 @@ class PseudoGradientCodec(LocalBasisExchange):
         result.deltas = self._views(out)
         return finish()
 
+    def _weight_scales(self, weights: list) -> Optional[list]:
+        """C·w_c/Σw per member, or None for the plain mean (equal weights, or --dilocox-no-token-weights)."""
+        if not self.cfg.token_weights or len(set(weights)) <= 1:
+            return None
+        total = math.fsum(weights)
+        return [len(weights) * w / total for w in weights]
+
+    def _weighted(self, t: torch.Tensor, member: int) -> torch.Tensor:
+        """Member ``member``'s term of the weighted sum (itself when the weights are equal)."""
+        return t if self._scales is None else t * self._scales[member]
+
     def _check_headers(self, headers, mine, coll: Collective):
         my_rank = coll.cluster_of(coll.rank)
         for g, h in enumerate(headers):
@@ -296,6 +327,9 @@ class PseudoGradientCodec(LocalBasisExchange):
                                       "(shapes, --dilocox-quant-bits/-block-size, --dilocox-lowrank*)",
                             "rank": f"uses low-rank rank {int(h[k])}, this cluster (#{my_rank}) {int(mine[k])}"}[name]
                     raise PayloadError(f"refused payload: cluster {c} {what}; nothing was applied")
+            if not (math.isfinite(float(h[8])) and float(h[8]) > 0):
+                raise PayloadError(f"refused payload: cluster {c} reports {float(h[8])} tokens for its round "
+                                   f"(a weight must be positive); nothing was applied")
 
     def _reduce(self, pieces, raw, coll: Collective):
         """Sum ``pieces`` (compressed) and ``raw`` (fp32 as is) over clusters.
@@ -304,13 +338,14 @@ class PseudoGradientCodec(LocalBasisExchange):
         n = len(pieces)
         if self.cfg.quant_bits == 32:
             flat = [p.reshape(-1).float() for p in pieces]
-            total = coll.all_reduce_sum(torch.cat(flat + [r.float() for r in raw]))
+            total = coll.all_reduce_sum(torch.cat([self._weighted(f, coll.rank) for f in flat] + [r.float() for r in raw]))
             parts = list(torch.split(total, [f.numel() for f in flat] + [r.numel() for r in raw]))
             sent = flat
         else:
             parts, sent = None, None
             for c, decoded in self._gathered(pieces, raw, coll):
-                parts = decoded if parts is None else [a + b for a, b in zip(parts, decoded)]
+                terms = [self._weighted(d, c) for d in decoded[:n]] + decoded[n:]  # (raw sums are statistics)
+                parts = terms if parts is None else [a + b for a, b in zip(parts, terms)]
                 if c == coll.rank:
                     sent = decoded[:n]
         sums = [s.view(p.shape) for s, p in zip(parts[:n], pieces)]

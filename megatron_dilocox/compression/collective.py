@@ -67,8 +67,18 @@ class Collective:
             self.counter.seconds += time.perf_counter() - t0
 
     def broadcast(self, buf: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """``buf`` of member ``src`` everywhere (used once, at start, for the anchor)."""
-        return self._broadcast(buf, src)
+        """``buf`` of member ``src`` everywhere (the anchor at start; a repair, outer/sync.py). Counted as the
+        source sending one copy to each other member."""
+        n = buf.numel() * buf.element_size()
+        if self.rank == src:
+            self.counter.sent += (self.size - 1) * n
+        else:
+            self.counter.received += n
+        t0 = time.perf_counter()
+        try:
+            return self._broadcast(buf, src)
+        finally:
+            self.counter.seconds += time.perf_counter() - t0
 
     # membership (a fixed group: every round commits; InterClusterGroup overrides these)
     elastic = False

@@ -8,7 +8,7 @@ much less of M = δ + e than M's own top-r subspace, and under error feedback th
 Here every cluster estimates its own top-r subspace with ``--dilocox-lowrank-local-iters`` block power
 iterations (compute, no bytes), warm-started from its own last right factor, fits the right factor to the
 *quantized* left factor (least squares, so P's quantization error is mostly absorbed), and sends both in one
-all-gather. The average is Δ = (1/C) Σ_c P_c Q_c^T (rank up to C·r), summed in cluster order, so every cluster
+all-gather. The average is Δ = (1/C) Σ_c P_c Q_c^T (rank up to C·r; with unequal token weights each term scaled by C·w_c/Σw), summed in cluster order, so every cluster
 computes bitwise the same Δ. Bytes per round are the shared basis's at the same rank (same factor shapes),
 in one phase instead of two: one WAN round trip fewer. Error feedback stays local and exact:
 e_c = M_c − P_c Q_c^T with the factors as they were sent.
@@ -47,12 +47,13 @@ class LocalBasisExchange:
         for c, decoded in self._gathered(pieces, raw, coll):
             factors = [(decoded[k].view(pieces[k].shape), decoded[G + k].view(qt[k].shape)) for k in range(G)]
             for k, (pw, qw) in enumerate(factors):
+                qw = self._weighted(qw, c)  # (the sent factors, kept in ``own``, stay unweighted)
                 if out[k] is None:
                     out[k] = torch.bmm(pw.transpose(1, 2), qw, out=self._slab(self._out, k, M[k].shape))
                 else:
                     out[k].baddbmm_(pw.transpose(1, 2), qw)
             if len(M) > G:
-                whole = decoded[2 * G].view(M[G].shape)
+                whole = self._weighted(decoded[2 * G].view(M[G].shape), c)
                 out[G] = whole.clone() if out[G] is None else out[G].add_(whole)
             stat_sum = decoded[-1].clone() if stat_sum is None else stat_sum + decoded[-1]
             if c == coll.rank:

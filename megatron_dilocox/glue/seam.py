@@ -87,6 +87,8 @@ class DiLoCoXOptimizer:
         self.inner = inner
         self.cfg = cfg
         self.train_iters = getattr(args, "train_iters", None)
+        # each round's weight in the average (--dilocox-token-weights): the samples x tokens this site trains per step
+        self.tokens_per_step = float(args.global_batch_size * args.seq_length)
         self.leaves = leaf_optimizers(inner)
         tagged = tagged_param_views(inner)
         self._dp_owner: Optional[list[tuple]] = None  # (group, global rank of the owner) per view
@@ -130,7 +132,7 @@ class DiLoCoXOptimizer:
     def step(self):
         success, grad_norm, num_zeros = self.inner.step()
         seen = len(self.sync.rows)
-        if success and self.sync.after_inner_step():
+        if success and self.sync.after_inner_step(tokens=self.tokens_per_step):
             with torch.no_grad():
                 self._refresh_model_params()
         if success and self.sync.iteration == self.train_iters:

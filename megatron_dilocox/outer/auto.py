@@ -86,16 +86,16 @@ class SlowLinkSync:
         self.single.start()
         return self
 
-    def after_inner_step(self) -> bool:
+    def after_inner_step(self, tokens=None) -> bool:
         if self.streaming is not None:
-            return self.streaming.after_inner_step()
+            return self.streaming.after_inner_step(tokens)
         s = self.single
         if self.switch_due and s.steps_in_round + 1 >= s.h and not s.stopped:
-            s.after_inner_step(boundary_due=False)  # this step's counters (and a landing due at it)
+            s.after_inner_step(boundary_due=False, tokens=tokens)  # this step's counters (and a landing due at it)
             self.switch()
             return True
         landings = len(s.rows)
-        changed = s.after_inner_step()
+        changed = s.after_inner_step(tokens=tokens)
         if len(s.rows) > landings and not s.stopped:
             self.switch_due = plan.link_holds_whole_rounds(s)
         return changed

@@ -42,6 +42,10 @@ def round_row(sync, r, exposed: float, h_used: int, rank_used: int) -> dict:
         (sums[4] / sums[3]) ** 0.5 if sums[3] > 0 else 0.0,
         "pseudo_grad_norm": sums[3] ** 0.5,
         "global_model_hash": hashes[0] if solo else hashlib.sha256("".join(hashes).encode()).hexdigest()[:16],
+        # this cluster's tokens in the round and its share of the average (codec: token weights)
+        "tokens": r.tokens, "weight": r.tokens / sum(r.weights) if r.weights else 0.0,
+        "repaired": sorted({int(c) for rs in intra.gather_str(",".join(map(str, r.repaired)))
+                            for c in rs.split(",") if c}),
     }
 
 

@@ -29,6 +29,7 @@ def save(sync) -> dict:
     return {
         "config": sync.cfg.agreement_dict(),
         "round": sync.round, "steps_in_round": sync.steps_in_round, "iteration": sync.iteration,
+        "round_tokens": sync.round_tokens, "launched_tokens": sync._launched_tokens,
         "h": sync.h, "tau": sync.tau, "comm_seconds_prev": sync.comm_seconds_prev, "step_seconds": sync.step_seconds,
         "seconds_per_byte_prev": sync.link.seconds_per_byte,
         "anchor": [a.clone() for a in sync.anchor],
@@ -62,6 +63,9 @@ def load(sync, state: dict):
                          f"{', '.join(f'{k}={theirs.get(k)!r}' for k in diff)}; now "
                          f"{', '.join(f'{k}={mine.get(k)!r}' for k in diff)})")
     sync.round, sync.steps_in_round, sync.iteration = state["round"], state["steps_in_round"], state["iteration"]
+    # (checkpoints from before token weights: the steps of the round so far)
+    sync.round_tokens = state.get("round_tokens", sync.steps_in_round * sync.tokens_per_step)
+    sync._launched_tokens = state.get("launched_tokens", 0.0)
     sync.h, sync.comm_seconds_prev, sync.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
     sync.tau = state.get("tau", plan.fixed_tau(sync.cfg, sync.h))  # checkpoints from before τ was saved (τ was H)
     sync.link.seconds_per_byte = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)

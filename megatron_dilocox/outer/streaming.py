@@ -142,6 +142,7 @@ class StreamingSync:
             f.codec.error = carve(error)
             f.codec.set_rank(sync.codec.rank, sync.round)
             f.round, f.steps_in_round, f.iteration, f.h = sync.round, sync.steps_in_round, sync.iteration, sync.h
+            f.round_tokens, f.tokens_per_step = sync.round_tokens, sync.tokens_per_step
             f.step_seconds, f._last_hook = sync.step_seconds, sync._last_hook
             # its own transfer is not measured yet: 0 keeps τ (and fragment 0's H) until it is. (The whole round's
             # time over the link share was no stand-in: on the ratio-325 link the switch followed a round whose
@@ -166,15 +167,15 @@ class StreamingSync:
         """Steps into fragment 0's round at which fragment j's round ends (1 <= it < H, as H >= F)."""
         return round(j * self.lead.h / len(self.fragments))
 
-    def after_inner_step(self) -> bool:
-        changed = self.lead.after_inner_step()
+    def after_inner_step(self, tokens=None) -> bool:
+        changed = self.lead.after_inner_step(tokens=tokens)
         into = self.lead.steps_in_round  # steps into fragment 0's round, this one included
         for j, f in enumerate(self.fragments[1:], 1):
             # once per round of fragment 0: at its offset, or at once if a new H moved the offset behind us
             # (f's last boundary came after fragment 0's iff f.steps_in_round, this step not yet counted, is
             # below into − 1)
             due = into >= self.offset(j) and f.steps_in_round >= into - 1
-            changed |= f.after_inner_step(boundary_due=due)
+            changed |= f.after_inner_step(boundary_due=due, tokens=tokens)
         return changed
 
     @torch.no_grad()

@@ -25,6 +25,12 @@
                                                            counts them)
     after each landing: r, H, τ ← plan(values every cluster received in the same payload)   (plan.py)
 
+The average is weighted by the tokens each cluster trained on in the round (codec.py; equal weights leave it
+the plain mean). One global model: each round's header carries every cluster's hash of its outer state (φ and
+momentum) at launch; a cluster whose hash differs from the majority's (with two, from the lower-numbered
+cluster's) takes that state from a cluster that has it before it applies the round, so a corrupted or drifted
+site is back in step within the round that notices it (repair.py, docs/fault_tolerance.md#one-global-model).
+
 τ = H by default (the one-step delay); --dilocox-overlap-steps N lands it earlier, 0 as early as twice the
 measured transfer allows (Streaming DiLoCo's overlap of τ inner steps, Douillard et al. 2025): the stand-in
 is trained on only until the real average is here. Under 0 a round that could land only at its end (τ = H,
@@ -49,7 +55,7 @@ from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.net.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import handover, plan, report, resume
+from megatron_dilocox.outer import handover, plan, repair, report, resume
 from megatron_dilocox.outer.link import LinkRate, probe_link
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
@@ -98,6 +104,9 @@ class DiLoCoXSync:
         self.comm_seconds_prev = 0.0
         self.link = LinkRate()  # the link's measured rate, for --dilocox-link-budget (fragments share one)
         self.step_seconds = 0.0  # EMA of the inner-step time (between hooks)
+        self.tokens_per_step = 1.0  # this cluster's tokens per inner step (glue: global batch x sequence length)
+        self.round_tokens = 0.0  # tokens trained since the last launched round: the next round's weight
+        self._launched_tokens = 0.0
         self._last_hook = None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
         self._in_flight: Optional[concurrent.futures.Future] = None
@@ -157,15 +166,19 @@ class DiLoCoXSync:
         return self
 
     # ------------------------------------------------------------------------------------------ hook
-    def after_inner_step(self, boundary_due: Optional[bool] = None) -> bool:
+    def after_inner_step(self, boundary_due: Optional[bool] = None, tokens: Optional[float] = None) -> bool:
         """Call after every inner optimizer step; returns True when θ was changed (a round boundary or a
-        landing). ``boundary_due``: whether this step ends the round (default: H steps into it)."""
+        landing). ``boundary_due``: whether this step ends the round (default: H steps into it); ``tokens``:
+        what the step trained on (default ``tokens_per_step``), the round's weight in the average."""
         now = time.perf_counter()
         if self._last_hook is not None:
             dt = now - self._last_hook
             self.step_seconds = dt if self.step_seconds == 0 else 0.8 * self.step_seconds + 0.2 * dt
         self.iteration += 1
         self.steps_in_round += 1
+        if tokens is not None:
+            self.tokens_per_step = tokens
+        self.round_tokens += self.tokens_per_step
         changed = False
         if self.steps_in_round >= self.h if boundary_due is None else boundary_due:
             self.boundary()
@@ -181,12 +194,14 @@ class DiLoCoXSync:
         delta = [s.to(p.device) - p.float() for s, p in zip(self.round_start, self.params)]  # δ_t
         self.round += 1
         self.steps_in_round = 0
+        tokens, self.round_tokens = self.round_tokens, 0.0
         if not self.delayed:
             t0 = time.perf_counter()
-            result = self._exchange(delta, self.round, self.iteration)
+            result = self._exchange(delta, self.round, self.iteration, tokens)
             self._apply(result, exposed=time.perf_counter() - t0)
             if self.stopped:
                 self.round -= 1  # dropped: θ keeps δ_t, the next δ (measured from φ) carries it
+                self.round_tokens += tokens
                 return
             self._set_params(self.anchor)  # θ ← φ
         else:
@@ -198,8 +213,8 @@ class DiLoCoXSync:
                     self._keep_dropped_delta()
                     self.round -= 2
                     return
-            self._launched_delta = delta
-            self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration)
+            self._launched_delta, self._launched_tokens = delta, tokens
+            self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration, tokens)
             self._set_params(self._local_start(delta))
             self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
             if self.tau == 0:  # synchronous landing (plan.SYNC_LANDING_STEPS): θ = φ + (θ − θ_s) = φ exactly
@@ -226,6 +241,7 @@ class DiLoCoXSync:
     def _keep_dropped_delta(self):
         """A round dropped everywhere: its δ joins the error feedback, so the next round sends it."""
         self.codec.error = [e + d.to(e.device) for e, d in zip(self.codec.error, self._launched_delta)]
+        self.round_tokens += self._launched_tokens  # (and its weight with it)
         self._launched_delta = None
 
     def _local_start(self, delta) -> list:
@@ -275,10 +291,12 @@ class DiLoCoXSync:
             self.group.close()
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _exchange(self, delta, round_idx, iteration) -> ExchangeResult:
+    def _exchange(self, delta, round_idx, iteration, tokens: float = 1.0) -> ExchangeResult:
         """One round's exchange, committed only when every member agrees (net/membership.py); a failed
-        attempt leaves the codec as it was and, per the verdict, is retried by the survivors or dropped."""
+        attempt leaves the codec as it was and, per the verdict, is retried by the survivors or dropped.
+        (Runs in the exchange thread: φ and the momentum are not written until the main thread applies it.)"""
         t0, wall0 = time.perf_counter(), time.time()
+        state_hash = self.state_hash()
         # round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
         # header every cluster shares (no landing has run _adapt yet)
         first_link_steps = plan.link_steps(self.cfg, self.link_share) if self.link_budget and round_idx == 1 else 0.0
@@ -288,7 +306,10 @@ class DiLoCoXSync:
             try:
                 result, outcome = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev,
                                                       self.step_seconds, self.link.seconds_per_byte,
-                                                      link_steps=first_link_steps), "ok"
+                                                      link_steps=first_link_steps, tokens=max(tokens, 1e-30),
+                                                      state_hash=state_hash), "ok"
+                if len(set(result.state_hashes)) > 1:
+                    repair.fetch(self, result, state_hash)
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
             except PayloadError as exc:
                 result, outcome = None, f"refused:{exc}"
@@ -325,6 +346,9 @@ class DiLoCoXSync:
             handover.send(self, result, iteration)
         return result
 
+    def state_hash(self) -> int:
+        return repair.state_hash(self)
+
     def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
         """φ ← Outer(φ, Δ) at the outer lr of the round's start iteration (config.outer_lr_at), then the next
         round's plan."""
@@ -345,6 +369,9 @@ class DiLoCoXSync:
         if not result.local_ok:
             raise DivergedError(f"DiLoCoX round {result.round}: this cluster's pseudo-gradient has NaN/Inf "
                                 f"(inner training diverged); the global model was not changed")
+        if result.repair is not None:
+            repair.install(self, result.repair)
+            result.repair = None
         if result.deltas is not None:
             self.outer.step(result.deltas, lr=self.cfg.outer_lr_at(result.launched_at, self.train_iters))  # φ ← Outer(φ, Δ)
         else:

@@ -26,7 +26,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-HEADER_BYTES = 64  # codec.HEADER_BYTES: 8 float64 values
+HEADER_BYTES = 80  # codec.HEADER_BYTES: 10 float64 values
 SCALE_BYTES = 4  # one fp32 scale per quantization block
 
 

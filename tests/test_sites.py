@@ -1,0 +1,80 @@
+"""Sites that differ, on real processes and the real inter-cluster group: token-weighted averages, and one global
+model kept by the state hash in each round's header (a corrupted site repaired within the round).
+
+References are computed in this process in float64 from what the workers recorded.
+"""
+
+import pytest
+import torch
+
+from megatron_dilocox.compression.codec import HEADER_BYTES
+from megatron_dilocox.metrics import read_rows
+from tests.workers import HIDDEN, IN, OUT, assert_no_errors, dilocox_spec, train_clusters
+
+pytestmark = pytest.mark.core
+
+NUMEL = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT
+
+
+def test_token_weighted_average_equals_a_float64_reference(tmp_path):
+    """Three clusters that train on 1, 2 and 5 tokens per step: with fp32 payloads, outer lr 1 and no momentum
+    the new φ is Σ w_c θ_c / Σ w_c; it equals a float64 reference to fp32 rounding on every cluster (and every
+    cluster holds it bitwise); each row reports its tokens and weight; bytes are the closed form (the header
+    carries the weights, nothing else is added)."""
+    C, h, tokens = 3, 3, {0: 1.0, 1: 2.0, 2: 5.0}
+    res = train_clusters(C, steps=9, metrics_dir=str(tmp_path), record_pre=True,
+                         tokens_by_cluster={str(c): t for c, t in tokens.items()},
+                         dilocox=dilocox_spec(C, h=h, overlap="none", lowrank=False, quant_bits=32, outer_lr=1.0,
+                                              outer_momentum=0.0, outer_lr_warmup_iters=0))
+    assert_no_errors(res)
+    total = sum(tokens.values())
+    for k in range(3):  # every round
+        thetas = [res[(c, 0)]["pre"][k] for c in range(C)]
+        for i in range(4):
+            ref = sum(tokens[c] * thetas[c][i].double() for c in range(C)) / total
+            for c in range(C):
+                got = res[(c, 0)]["anchors"][k][i]
+                assert torch.equal(got, res[(0, 0)]["anchors"][k][i])
+                # fp32: θ_c − δ-sums of a few terms, each within an ulp of |θ|
+                assert torch.allclose(got.double(), ref, rtol=0, atol=4 * 2.0 ** -23 * float(ref.abs().max())), (k, i)
+        # the equal-weight mean would be far from it
+        mean = sum(thetas[c][0].double() for c in range(C)) / C
+        assert (mean - sum(tokens[c] * thetas[c][0].double() for c in range(C)) / total).abs().max() > 1e-4
+    for c in range(C):
+        rows = read_rows(tmp_path / f"metrics_c{c}.jsonl")
+        assert [r["tokens"] for r in rows] == [h * tokens[c]] * 3
+        assert [r["weight"] for r in rows] == pytest.approx([tokens[c] / total] * 3, rel=1e-12)
+        assert all(r["repaired"] == [] for r in rows)
+        # fp32 (no lowrank): header all-gather + one ring all-reduce of the model, per round
+        assert all(r["bytes_sent"] == (C - 1) * HEADER_BYTES + 2 * (C - 1) * 4 * NUMEL // C for r in rows)
+
+
+@pytest.mark.parametrize("C,victim,source", [(2, 1, 0), (3, 0, 1)])
+def test_a_corrupted_global_model_is_repaired_within_the_round(tmp_path, C, victim, source):
+    """One element of one cluster's global model is altered after round 2 (as an altered payload or other
+    hardware would): the next round's headers show its hash differs, the majority's state (with two clusters,
+    cluster 0's) is broadcast to it before that round is applied, every cluster logs a warning naming it, the
+    row says whom it repaired, and from then on every round's hash is equal on every cluster. Default overlap
+    (eager): the round is repaired at its landing, while the next one trains."""
+    res = train_clusters(C, steps=12, metrics_dir=str(tmp_path), corrupt={"cluster": victim, "round": 2},
+                         dilocox=dilocox_spec(C, h=2, lowrank_rank=4, lowrank_min_dim=8, quant_block_size=32,
+                                              adaptive_rank=False))
+    assert_no_errors(res)
+    assert res[(victim, 0)]["corrupted"]["round"] == 2
+    rows = [read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C)]
+    n = len(rows[0])
+    assert n >= 5 and all(len(r) == n for r in rows)
+    repaired_at = [r["round"] for r in rows[0] if r["repaired"]]
+    assert repaired_at == [3], [r["repaired"] for r in rows[0]]  # the round launched after the corruption
+    for c in range(C):
+        assert rows[c][2]["repaired"] == [victim]
+        assert any(f"global model of cluster(s) [{victim}] differed from cluster {source}'s" in w and
+                   f"repaired from cluster {source}" in w for w in res[(c, 0)]["warnings"]), res[(c, 0)]["warnings"]
+    for k in range(n):  # equal before the corruption, and again from the repaired round on
+        if k != 1:  # (round 2's row is written before the corruption: equal too, but say which matter)
+            assert len({rows[c][k]["global_model_hash"] for c in range(C)}) == 1, k
+    # the repair broadcast is counted: the source sends 4 bytes per value of φ and momentum to each other member
+    extra = [rows[c][2]["bytes_sent"] - rows[c][3]["bytes_sent"] for c in range(C)]
+    assert extra[source] == (C - 1) * 4 * 2 * NUMEL and all(extra[c] == 0 for c in range(C) if c != source)
+    finals = [res[(c, 0)]["final_anchor"] for c in range(C)]
+    assert all(torch.equal(a, b) for f in finals[1:] for a, b in zip(finals[0], f))
