@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from megatron_dilocox.compression.codec import HEADER_BYTES
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
 from tests.megatron_flags import failure_report, run_many_on_cpu, run_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
 
@@ -102,8 +103,8 @@ def test_data_parallel_without_distributed_optimizer(corpus, tmp_path):
     dp1 = assert_clusters_agree(tmp_path, 2, 2)
     for a, b in zip(dp2[0], dp1[0]):
         assert a["bytes_dense_fp32"] == b["bytes_dense_fp32"]
-        # the same views and payloads; only the second rank's 64-byte header and energy stats are extra
-        assert 0 <= a["bytes_sent"] - b["bytes_sent"] <= 64 + 4 * (4 + 1)
+        # the same views and payloads; only the second rank's header and energy stats are extra
+        assert 0 <= a["bytes_sent"] - b["bytes_sent"] <= HEADER_BYTES + 4 * (4 + 1)
 
 
 def test_interleaved_pipeline_schedule_with_fragments(corpus, tmp_path):
@@ -176,6 +177,19 @@ def test_clusters_with_different_layouts_are_refused_at_rendezvous(corpus, tmp_p
         assert "clusters disagree" in text
         assert "pipeline_model_parallel_size: cluster 0 has '2', cluster 1 has '1'" in text
         assert not log.losses
+
+
+def test_sites_with_different_global_batch_sizes_are_weighted_by_tokens(corpus, tmp_path):
+    """Site 1 trains on twice site 0's global batch: the rendezvous accepts it, every round weighs site 1's
+    pseudo-gradient 2/3 and site 0's 1/3 (tokens = H x global batch x sequence length, in the header), and the
+    clusters hold bitwise the same global model after every round."""
+    codes, logs = launch(2, 1, tiny_gpt_flags(corpus, 8), tiny_dilocox_flags(tmp_path),
+                         per_cluster_args={1: ["--global-batch-size", "16"]})
+    assert_ok(codes, logs)
+    rows = assert_clusters_agree(tmp_path, 2, 2)
+    for c, batch in ((0, 8), (1, 16)):
+        assert [r["tokens"] for r in rows[c]] == [4 * batch * 128] * 2
+        assert [r["weight"] for r in rows[c]] == pytest.approx([batch / 24] * 2, rel=1e-12)
 
 
 def test_checkpoint_carries_dilocox_state_and_training_continues(corpus, tmp_path):
