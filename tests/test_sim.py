@@ -197,3 +197,40 @@ def test_cli_json_and_flags():
 def test_sim_imports_no_torch():
     code = "import sys, megatron_dilocox.sim, megatron_dilocox.sim.__main__; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sites_sized_to_their_speed():
+    """Two one-GPU sites, one twice as fast: per-site H gives the fast site 2H steps and 2/3 of the weight, no
+    site waits, and the run makes 1.5x lockstep's tokens/s (lockstep: the fast site waits half of every round);
+    a speed ratio that does not divide leaves the fast site less than one of its steps of waiting."""
+    from megatron_dilocox.sim.sites import Site, parse_sites, plan_sites
+    p = plan_sites([Site(1, 100.0, 1000.0), Site(1, 50.0, 1000.0)], h=10)
+    assert [s["H"] for s in p["sites"]] == [20, 10] and p["round_seconds"] == pytest.approx(200.0)
+    assert [s["weight"] for s in p["sites"]] == pytest.approx([2 / 3, 1 / 3])
+    assert [s["wait_share"] for s in p["sites"]] == pytest.approx([0.0, 0.0], abs=1e-12)
+    assert [s["lockstep_wait_share"] for s in p["sites"]] == pytest.approx([0.5, 0.0])
+    assert (p["tokens_per_s"], p["lockstep_tokens_per_s"], p["vs_lockstep"]) == pytest.approx((150.0, 100.0, 1.5))
+    sites = parse_sites("64:3200,128:1500", 131072)
+    p = plan_sites(sites, h=100)
+    fast, slow = p["sites"]
+    assert slow["H"] == 100 and fast["H"] == 106  # floor(68.27 s / 0.64 s)
+    assert 0 < fast["wait_share"] * p["round_seconds"] < fast["step_seconds"]
+    assert p["vs_ideal"] > 0.99 and p["vs_lockstep"] > 1.0
+    # a transfer longer than the slowest site's H steps stretches the round for every site
+    p = plan_sites([Site(1, 100.0, 1000.0), Site(1, 50.0, 1000.0)], h=10, comm_seconds=400.0, margin=0.1)
+    assert p["round_seconds"] == pytest.approx(440.0) and [s["H"] for s in p["sites"]] == [44, 22]
+    for bad in ("64", "64:0", "0:10", "64:x", "64:3200"):
+        with pytest.raises(ValueError, match="--sites"):
+            parse_sites(bad, 1000)
+
+
+def test_sites_cli_prints_each_sites_h_weight_and_the_ratio_to_lockstep():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "megatron_dilocox.sim", "--sites", "1:100:1000,1:50:1000", "--h", "10",
+                          "--hidden", "64", "--layers", "2", "--vocab", "512", "--ffn", "256", "--heads", "4",
+                          "--kv-heads", "4"], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert lines[-1] == "vs_lockstep: 1.50"
+    assert lines[2].split()[:6] == ["0", "1", "100", "10.000", "20", "0.667"]
+    assert lines[3].split()[:6] == ["1", "1", "50", "20.000", "10", "0.333"]

@@ -1,7 +1,9 @@
-"""CLI: ``python -m megatron_dilocox.sim [--paper] [--plan] [--json] [--<input> VALUE ...]``.
+"""CLI: ``python -m megatron_dilocox.sim [--paper] [--plan] [--json] [--sites SPEC] [--<input> VALUE ...]``.
 
 Every field of ``cost_model.Setup`` is a flag (``--hidden``, ``--tp``, ``--link-gbps``, ``--rank``, ...).
 Text output ends with the line ``speedup_vs_allreduce: <number>``; ``--json`` prints one JSON object.
+``--sites 64:3200,128:1500`` (GPUs:tokens/s per GPU[:tokens per step] per site) prints instead each site's H and
+weight and the run's tokens/s against lockstep rounds (``sites.py``), ending with ``vs_lockstep: <number>``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 
 from dataclasses import replace
 
+from megatron_dilocox.sim import sites as site_plan
 from megatron_dilocox.sim.cost_model import Setup, expert_tensors, layer_tensors, model_params, numel, plan, predict
 
 HELP = {
@@ -69,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--h-min", type=int, help="planner: smallest H allowed (default --h)")
     ap.add_argument("--h-max", type=int, help="planner: largest H allowed")
     ap.add_argument("--margin", type=float, default=0.1, help="planner: transfer this much shorter than a round")
+    ap.add_argument("--sites", help="sites that differ: GPUS:TOKENS_PER_GPU_S[:TOKENS_PER_STEP] per site, comma-"
+                                    "separated (tokens per step default: --global-batch-tokens); prints each site's "
+                                    "H (--h for the slowest) and weight, and tokens/s against lockstep rounds")
     for f in dataclasses.fields(Setup):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
@@ -167,6 +173,16 @@ def main(argv=None) -> int:
     args = parse(argv)
     s = _setup(args)
     out = predict(s)
+    if args.sites:
+        try:
+            sites = site_plan.parse_sites(args.sites, s.global_batch_tokens)
+        except ValueError as exc:
+            build_parser().error(str(exc))
+        comm = predict(replace(s, clusters=len(sites)))["methods"]["dilocox"]["comm_seconds"]  # the model, the link
+        p = site_plan.plan_sites(sites, s.h, comm, args.margin)
+        print(json.dumps(p, indent=1) if args.json else
+              site_plan.report(p, s.h, comm) + f"\nvs_lockstep: {p['vs_lockstep']:.2f}")
+        return 0
     if args.plan or args.paper:
         out["plan"] = plan(s, h_min=args.h_min or s.h, h_max=args.h_max, margin=args.margin)
     if args.json:
