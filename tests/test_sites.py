@@ -49,32 +49,55 @@ def test_token_weighted_average_equals_a_float64_reference(tmp_path):
         assert all(r["bytes_sent"] == (C - 1) * HEADER_BYTES + 2 * (C - 1) * 4 * NUMEL // C for r in rows)
 
 
-@pytest.mark.parametrize("C,victim,source", [(2, 1, 0), (3, 0, 1)])
-def test_a_corrupted_global_model_is_repaired_within_the_round(tmp_path, C, victim, source):
-    """One element of one cluster's global model is altered after round 2 (as an altered payload or other
-    hardware would): the next round's headers show its hash differs, the majority's state (with two clusters,
+@pytest.mark.parametrize("C,victim,source,ranks,overlap", [(3, 0, 1, 1, "none"), (2, 1, 0, 2, "eager")])
+def test_a_corrupted_global_model_is_repaired_within_the_round(tmp_path, C, victim, source, ranks, overlap):
+    """One element of one cluster's global model is altered after round 2 is applied (as an altered payload or
+    other hardware would): the next round launched carries its hash, the majority's state (with two clusters,
     cluster 0's) is broadcast to it before that round is applied, every cluster logs a warning naming it, the
-    row says whom it repaired, and from then on every round's hash is equal on every cluster. Default overlap
-    (eager): the round is repaired at its landing, while the next one trains."""
-    res = train_clusters(C, steps=12, metrics_dir=str(tmp_path), corrupt={"cluster": victim, "round": 2},
+    row says whom it repaired, and from then on every round's hash is equal on every cluster.
+
+    Synchronous rounds (none): round 3 repairs it. Eager: round 3 is already in flight when the test alters φ,
+    so its header holds the hash from before or after (a race of the test's, per rank); round 3 or 4 repairs
+    it. With two ranks per cluster each rank's group repairs its own shard; the rows count both."""
+    res = train_clusters(C, ranks=ranks, steps=12, metrics_dir=str(tmp_path), corrupt={"cluster": victim, "round": 2},
                          dilocox=dilocox_spec(C, h=2, lowrank_rank=4, lowrank_min_dim=8, quant_block_size=32,
-                                              adaptive_rank=False))
+                                              adaptive_rank=False, overlap=overlap))
     assert_no_errors(res)
     assert res[(victim, 0)]["corrupted"]["round"] == 2
     rows = [read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C)]
     n = len(rows[0])
-    assert n >= 5 and all(len(r) == n for r in rows)
+    assert n >= 6 and all(len(r) == n for r in rows)
     repaired_at = [r["round"] for r in rows[0] if r["repaired"]]
-    assert repaired_at == [3], [r["repaired"] for r in rows[0]]  # the round launched after the corruption
+    assert repaired_at == [3] if overlap == "none" else repaired_at in ([3], [4], [3, 4]), repaired_at
     for c in range(C):
-        assert rows[c][2]["repaired"] == [victim]
+        assert all(rows[c][k - 1]["repaired"] == [victim] for k in repaired_at)
         assert any(f"global model of cluster(s) [{victim}] differed from cluster {source}'s" in w and
                    f"repaired from cluster {source}" in w for w in res[(c, 0)]["warnings"]), res[(c, 0)]["warnings"]
-    for k in range(n):  # equal before the corruption, and again from the repaired round on
-        if k != 1:  # (round 2's row is written before the corruption: equal too, but say which matter)
-            assert len({rows[c][k]["global_model_hash"] for c in range(C)}) == 1, k
-    # the repair broadcast is counted: the source sends 4 bytes per value of φ and momentum to each other member
-    extra = [rows[c][2]["bytes_sent"] - rows[c][3]["bytes_sent"] for c in range(C)]
-    assert extra[source] == (C - 1) * 4 * 2 * NUMEL and all(extra[c] == 0 for c in range(C) if c != source)
-    finals = [res[(c, 0)]["final_anchor"] for c in range(C)]
-    assert all(torch.equal(a, b) for f in finals[1:] for a, b in zip(finals[0], f))
+    for k in [0] + list(range(repaired_at[-1] - 1, n)):  # equal before the corruption, and from the repair on
+        assert len({rows[c][k]["global_model_hash"] for c in range(C)}) == 1, k
+    # the repair broadcast is counted: the source sends 4 bytes per value of φ and momentum to each other member,
+    # once per rank (every round sends the same payload bytes otherwise: fixed rank)
+    base = rows[source][-2]["bytes_sent"]
+    assert sum(r["bytes_sent"] - base for r in rows[source]) == ranks * (C - 1) * 4 * 2 * NUMEL
+    assert all(r["bytes_sent"] == rows[c][-2]["bytes_sent"] for c in range(C) if c != source for r in rows[c])
+    for lr in range(ranks):
+        finals = [res[(c, lr)]["final_anchor"] for c in range(C)]
+        assert all(torch.equal(a, b) for f in finals[1:] for a, b in zip(finals[0], f))
+
+
+def test_a_payload_altered_in_flight_is_applied_once_and_repaired_in_the_next_round(tmp_path):
+    """The issue's own scenario through the real group: one bit of cluster 0's payload arrives flipped at cluster
+    1 in round 2. Cluster 1 applies what it received (nothing refuses it: payloads are not authenticated), so
+    round 2's hashes differ; round 3's header shows it, cluster 1 takes cluster 0's global model, and from
+    round 3 on every round's hash is equal. Both clusters exit normally."""
+    C = 2
+    res = train_clusters(C, steps=10, metrics_dir=str(tmp_path), corrupt_payload=(1, 2),
+                         dilocox=dilocox_spec(C, h=2, overlap="none", lowrank=False, adaptive_rank=False))
+    assert_no_errors(res)
+    rows = [read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C)]
+    hashes = [[r["global_model_hash"] for r in rows[c]] for c in range(C)]
+    assert len(hashes[0]) == len(hashes[1]) == 5
+    assert hashes[0][0] == hashes[1][0] and hashes[0][1] != hashes[1][1]  # round 2 applied the altered payload
+    assert hashes[0][2:] == hashes[1][2:]  # repaired before round 3's outer step
+    assert [r["repaired"] for r in rows[0]] == [[], [], [1], [], []] == [r["repaired"] for r in rows[1]]
+    assert any("repaired from cluster 0" in w for w in res[(1, 0)]["warnings"])

@@ -110,6 +110,24 @@ class FlakyGroup(InterClusterGroup):
         return super()._all_gather(buf)
 
 
+class CorruptingGroup(InterClusterGroup):
+    """The real gloo group, which on cluster ``to_cluster`` flips the lowest bit of one byte of another member's
+    payload in its ``at_call``-th payload all-gather (more than 200 bytes: not a header, digest or proof), as a
+    corrupting link would; nothing else changes."""
+
+    to_cluster, at_call, calls = -1, 0, 0
+
+    def _all_gather(self, buf):
+        out = super()._all_gather(buf)
+        if self.cluster == CorruptingGroup.to_cluster and buf.numel() > 200:
+            CorruptingGroup.calls += 1
+            if CorruptingGroup.calls == CorruptingGroup.at_call:
+                other = (self.rank + 1) % self.size
+                out[other] = out[other].clone()
+                out[other][out[other].numel() // 3] ^= 1
+        return out
+
+
 def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     """Run spec['steps'] inner steps with DiLoCoX; return per-round rows, anchors and losses.
 
@@ -126,7 +144,9 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     settings = dict(spec["dilocox"], **spec.get("dilocox_by_cluster", {}).get(str(cluster), {}))
     cfg = DiLoCoXConfig(cluster_id=cluster, **settings).validate()
     store = connect_store(cfg, host_store=(cluster == 0 and local_rank == 0))
-    group_cls = SlowGroup if spec.get("slow_gather") else FlakyGroup if spec.get("fail_gather") else InterClusterGroup
+    group_cls = SlowGroup if spec.get("slow_gather") else FlakyGroup if spec.get("fail_gather") else \
+        CorruptingGroup if spec.get("corrupt_payload") else InterClusterGroup
+    CorruptingGroup.to_cluster, CorruptingGroup.at_call = spec.get("corrupt_payload", (-1, 0))
     SlowGroup.delay = spec.get("slow_gather", 0.0)
     FlakyGroup.fail_cluster, FlakyGroup.fail_at = spec.get("fail_gather", (-1, 0))
     fingerprint = dict(spec.get("fingerprint", {}), **spec.get("fingerprint_by_cluster", {}).get(str(cluster), {}))
