@@ -18,6 +18,7 @@ QUANT_BITS = (1, 4, 8, 16, 32)
 OUTER_STATE_DEVICES = ("cpu", "param")
 PEER_FAILURE_POLICIES = ("stop", "continue")
 COORDINATOR_MODES = ("embedded", "standalone")
+EXCHANGE_LAYOUTS = ("local", "canonical")
 SECRET_ENV = "DILOCOX_SECRET"
 # default --dilocox-h-max = this x --dilocox-h. Adaptive H may lengthen rounds this far; the link budget does so
 # to send them whole rather than cut the rank (outer/plan.py). On the ratio-325 link the main job's whole int4
@@ -148,6 +149,11 @@ class DiLoCoXConfig:
     token_weights: bool = knob(True, "weigh each cluster's pseudo-gradient in the average by the tokens it trained "
                                      "on in the round (its steps x its tokens per step, carried in the round's "
                                      "header); --dilocox-no-token-weights: equal weights (docs/algorithm.md#weights)")
+
+    exchange_layout: str = knob("local", "local: local rank k of every site exchanges its own parameter slices (every "
+                                          "site needs the same TP/PP/DP layout); canonical: sites may differ in "
+                                          "layout: each site's rank 0 exchanges the whole model as global tensors "
+                                          "by name (docs/algorithm.md#canonical-exchange-layout)")
 
     # Output.
     metrics_file: Optional[str] = knob(None, "JSONL file for per-round metrics (one row per round per cluster)")
@@ -332,6 +338,8 @@ class DiLoCoXConfig:
         if self.quant_bits == 4 and self.quant_block_size % 2:
             fail("quant_block_size", f"must be even with 4-bit quantization, got {self.quant_block_size}")
         need_int("seed", 0)
+        if self.exchange_layout not in EXCHANGE_LAYOUTS:
+            fail("exchange_layout", f"must be one of {', '.join(EXCHANGE_LAYOUTS)}, got {self.exchange_layout!r}")
         return self
 
     @property

@@ -176,6 +176,7 @@ def test_clusters_with_different_layouts_are_refused_at_rendezvous(corpus, tmp_p
         text = "\n".join(log.lines)
         assert "clusters disagree" in text
         assert "pipeline_model_parallel_size: cluster 0 has '2', cluster 1 has '1'" in text
+        assert "start every site with --dilocox-exchange-layout canonical" in text
         assert not log.losses
 
 

@@ -175,6 +175,8 @@ def agree_on_resume_iteration(cfg, args, group, intra) -> int:
     sets = [{i for i in v if i > 0} for v in per_cluster]
     common = set.intersection(*sets)
     agreed = max(common, default=0)
+    # rank 0's answer for the whole cluster (with the canonical exchange only rank 0 has the inter-cluster group)
+    agreed = int(intra.reduce([agreed if rank0 else -1], "max")[0])
     if rank0:
         moved = prepare_resume(getattr(args, "load", None), getattr(args, "save", None), agreed)
         ignored = {c: sorted(i for i in s if i > agreed) for c, s in enumerate(sets)}

@@ -58,8 +58,15 @@ def run_iters(args) -> Optional[int]:
     return args.train_samples // args.global_batch_size if getattr(args, "train_samples", None) else None
 
 
-def fingerprint(cfg: DiLoCoXConfig, args, views) -> dict:
-    """What every cluster must share, compared at rendezvous (differences are named)."""
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+               "data_parallel_size", "use_distributed_optimizer")
+
+
+def fingerprint(cfg: DiLoCoXConfig, args, views, canonical=None) -> dict:
+    """What every cluster must share, compared at rendezvous (differences are named). With the canonical exchange
+    (``canonical``: its Layout) the parallel layout may differ: the model is compared instead, by its canonical
+    units (every global tensor's name, layer and shape; a padded vocabulary shows there too)."""
     import megatron.core
 
     import megatron_dilocox
@@ -70,19 +77,22 @@ def fingerprint(cfg: DiLoCoXConfig, args, views) -> dict:
             "untie_embeddings_and_output_weights", "add_bias_linear", "num_experts", "moe_ffn_hidden_size",
             "moe_router_topk", "moe_layer_freq", "seq_length", "padded_vocab_size", "seed", "params_dtype",
             "optimizer")
-    fp = {k: str(getattr(args, k, None)) for k in keys}
+    fp = {k: str(getattr(args, k, None)) for k in keys if canonical is None or k not in LAYOUT_KEYS}
     # outer_lr_warmup_iters: the default follows each cluster's run length, and the outer step, which every
     # cluster takes itself, must not differ
     fp.update(dilocox=cfg.agreement_dict(), outer_lr_warmup_iters=cfg.resolved_outer_lr_warmup_iters(run_iters(args)),
-              megatron_core=megatron.core.__version__, megatron_dilocox=megatron_dilocox.__version__,
-              shapes=[list(v.shape) for v in views])
+              megatron_core=megatron.core.__version__, megatron_dilocox=megatron_dilocox.__version__)
+    if canonical is None:
+        fp["shapes"] = [list(v.shape) for v in views]
+    else:
+        fp["canonical_units"] = f"{len(canonical.units)} tensors, {canonical.numel} values, sha {canonical.digest()}"
     return fp
 
 
 class DiLoCoXOptimizer:
     """Megatron optimizer wrapper: inner step, then the DiLoCoX round hook (see module docstring)."""
 
-    def __init__(self, inner, cfg: DiLoCoXConfig, args):
+    def __init__(self, inner, cfg: DiLoCoXConfig, args, model_chunks=None):
         from megatron.core import mpu
         self.inner = inner
         self.cfg = cfg
@@ -90,8 +100,11 @@ class DiLoCoXOptimizer:
         # each round's weight in the average (--dilocox-token-weights): the samples x tokens this site trains per step
         self.tokens_per_step = float(args.global_batch_size * args.seq_length)
         self.leaves = leaf_optimizers(inner)
-        tagged = tagged_param_views(inner)
         self._dp_owner: Optional[list[tuple]] = None  # (group, global rank of the owner) per view
+        if cfg.exchange_layout == "canonical":
+            self._start_canonical(cfg, args, model_chunks)
+            return
+        tagged = tagged_param_views(inner)
         if not getattr(args, "use_distributed_optimizer", False) and mpu.get_data_parallel_world_size() > 1:
             self._dp_owner = _deal_over_replicas([kind for _, kind in tagged])
             self._all_views = [v for v, _ in tagged]
@@ -116,6 +129,29 @@ class DiLoCoXOptimizer:
         log.info("DiLoCoX on: cluster %d of %d, %d tensors (%d low-rank groups) on this rank, H=%d, overlap=%s",
                  cfg.cluster_id, cfg.num_clusters, len(views), len(layout["lowrank_groups"]), cfg.h, cfg.overlap)
         log.info("DiLoCoX layout %s", json.dumps(layout))
+
+    def _start_canonical(self, cfg: DiLoCoXConfig, args, model_chunks):
+        """Sites of different layouts (canonical.py): rank 0 of each site exchanges the canonical model."""
+        from megatron_dilocox.glue import canonical
+        canonical.check_supported(cfg, args)
+        layout = canonical.build_layout(model_chunks, self.inner)
+        rank = torch.distributed.get_rank()
+        group = None
+        if rank == 0 and cfg.num_clusters > 1:
+            store = connect_store(cfg, host_store=(cfg.cluster_id == 0))
+            group = InterClusterGroup(cfg, 0, store, fingerprint(cfg, args, layout.views, layout), local_world=1)
+        intra = TorchDistCluster()
+        checkpoints.agree_on_resume_iteration(cfg, args, group, intra)  # (rank 0 decides for the site)
+        self.view_kinds = ["dense"] * len(layout.views)
+        self.sync = canonical.CanonicalSite(layout, cfg, group, cfg.metrics_file if rank == 0 else None,
+                                            run_iters(args))
+        with torch.no_grad():
+            self.sync.start()  # every site starts from cluster 0's model
+            self._refresh_model_params()
+        log.info("DiLoCoX on: cluster %d of %d, canonical exchange: %d global tensors, %d values (%d owned here), "
+                 "H=%d, overlap=%s", cfg.cluster_id, cfg.num_clusters, len(layout.units), layout.numel,
+                 layout.index.numel(), cfg.h, cfg.overlap)
+        log.info("DiLoCoX layout %s", json.dumps(self.sync.layout_summary(rank)))
 
     def layout(self, rank: int) -> dict:
         """What this rank syncs (elements by kind, low-rank groups, elements sent whole) and the codec's
@@ -286,7 +322,8 @@ def install(cfg: DiLoCoXConfig, args):
         _installed["original"] = training.get_megatron_optimizer
 
     def get_megatron_optimizer(*a, **kw):
-        optimizer = DiLoCoXOptimizer(_installed["original"](*a, **kw), cfg, args)
+        chunks = a[1] if len(a) > 1 else kw.get("model_chunks")
+        optimizer = DiLoCoXOptimizer(_installed["original"](*a, **kw), cfg, args, model_chunks=chunks)
         _installed["optimizer"] = optimizer
         return optimizer
 

@@ -307,8 +307,13 @@ class InterClusterGroup(Collective):
             while store.add(f"fingerprint/{session}/read", 0) < self.size and time.monotonic() < deadline:
                 time.sleep(0.05)
         if problems:
+            hint = ""
+            if any(p.startswith(("shapes:", "tensor_model", "pipeline_model", "virtual_pipeline", "data_parallel",
+                                 "context_parallel", "expert_model", "expert_tensor", "use_distributed")) for p in problems):
+                hint = (" (sites whose parallel layouts differ: start every site with --dilocox-exchange-layout "
+                        "canonical)")
             raise RendezvousError(f"DiLoCoX rendezvous: clusters disagree (local rank {self.local_rank}): "
-                                  + "; ".join(problems))
+                                  + "; ".join(problems) + hint)
 
     # ----------------------------------------------------------------------------- collectives
     def _all_gather(self, buf):

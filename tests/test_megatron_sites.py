@@ -1,0 +1,114 @@
+"""Sites with different parallel layouts in one run (``--dilocox-exchange-layout canonical``), real Megatron on CPU.
+
+Each site is its own torchrun world with its own TP/PP/DP; rank 0 of every site exchanges the model in Megatron's
+canonical layout (``megatron_dilocox/glue/canonical.py``). The float64 reference reads the θ and φ that rank 0
+dumps at each round ($DILOCOX_DUMP_ROUNDS).
+"""
+import glob
+import json
+
+import pytest
+import torch
+
+from megatron_dilocox.compression.codec import HEADER_BYTES
+from megatron_dilocox.metrics import read_rows
+from tests.megatron_flags import failure_report, run_on_cpu, start_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
+
+pytestmark = pytest.mark.megatron
+
+CANONICAL = ("--dilocox-exchange-layout", "canonical")
+
+
+@pytest.fixture
+def corpus(kjv):
+    return str(kjv)
+
+
+def rows_of(tmp_path, clusters):
+    rows = [read_rows(f"{tmp_path}/metrics_c{c}.jsonl") for c in range(clusters)]
+    for c in range(1, clusters):
+        assert [r["global_model_hash"] for r in rows[c]] == [r["global_model_hash"] for r in rows[0]], c
+    assert all(r["status"] == "applied" for rs in rows for r in rs)
+    return rows
+
+
+def layout_line(log) -> dict:
+    return json.loads(next(line for line in log.lines if "DiLoCoX layout {" in line).split("DiLoCoX layout ", 1)[1])
+
+
+def test_two_layouts_exact_token_weighted_average(corpus, tmp_path):
+    """Site 0: TP1 PP1, one process, global batch 8. Site 1: TP1 PP2, two processes (the tied output layer on the
+    second stage), global batch 16. fp32 payloads, no low rank, synchronous rounds, outer lr 1 without momentum:
+    after each round φ = Σ w_c θ_c / Σ w_c over the sites' whole models in canonical layout, with w = 1/3, 2/3;
+    it equals a float64 reference of the dumped θs to fp32 rounding, bitwise on both sites; bytes per round are
+    the closed form for the canonical model; both sites' final evaluation of the global model, each with its own
+    layout, gives the same loss."""
+    dump = tmp_path / "dump"
+    codes, logs = run_on_cpu(2, 1, tiny_gpt_flags(corpus, 8),
+                             tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-overlap", "none", "--dilocox-no-lowrank",
+                                                "--dilocox-quant-bits", "32", "--dilocox-outer-lr", "1.0",
+                                                "--dilocox-outer-momentum", "0", "--dilocox-outer-lr-warmup-iters", "0"),
+                             per_cluster_args={0: ["--eval-iters", "4"],  # (the 32 validation samples site 1 reads)
+                                               1: ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"]},
+                             nproc_by_cluster={1: 2}, env={"DILOCOX_DUMP_ROUNDS": str(dump)}, timeout=420)
+    assert codes == [0, 0], failure_report(logs)
+    rows = rows_of(tmp_path, 2)
+    assert [r["round"] for r in rows[0]] == [1, 2]
+    assert [r["weight"] for r in rows[1]] == pytest.approx([2 / 3] * 2, rel=1e-12)
+    for it in (4, 8):
+        d0, d1 = (torch.load(dump / f"c{c}_it{it}.pt") for c in range(2))
+        assert d0["units"] == d1["units"] and torch.equal(d0["phi"], d1["phi"])
+        ref = (d0["theta"].double() + 2 * d1["theta"].double()) / 3
+        tol = 8 * 2.0 ** -23 * float(ref.abs().max())
+        assert float((d0["phi"].double() - ref).abs().max()) <= tol, it
+        assert not torch.equal(d0["theta"], d1["theta"])  # the sites really trained apart
+    n = d0["phi"].numel()
+    assert layout_line(logs[0])["numel"] == n == layout_line(logs[1])["numel"]
+    for c in range(2):
+        assert all(r["bytes_sent"] == HEADER_BYTES + 2 * 4 * n // 2 for r in rows[c])
+    v0, v1 = logs[0].valid_losses[-1], logs[1].valid_losses[-1]
+    assert v0 == pytest.approx(v1, rel=1e-4) and v0 < 8.0
+
+
+def test_three_sites_three_layouts_compressed(corpus, tmp_path):
+    """TP1 PP1 (one process), TP2 (two: QKV of grouped-query attention and SwiGLU's fc1 split over TP), and DP2
+    with the distributed optimizer (two: flat shards): the defaults' int4 low-rank exchange on the canonical
+    matrices; every round's hash equal on the three sites, the same closed-form bytes on each, and the three
+    layouts evaluate the final global model to the same loss (a mis-mapped element would not)."""
+    model = ("--swiglu", "--group-query-attention", "--num-query-groups", "2")
+    codes, logs = run_on_cpu(3, 1, tiny_gpt_flags(corpus, 8, *model), tiny_dilocox_flags(tmp_path, *CANONICAL),
+                             per_cluster_args={1: ["--tensor-model-parallel-size", "2"],
+                                               2: ["--use-distributed-optimizer",  # (the corpus has two shards)
+                                                   "--train-data-path", f"{corpus}/train_c1_text_document"]},
+                             nproc_by_cluster={1: 2, 2: 2}, timeout=600)
+    assert codes == [0, 0, 0], failure_report(logs)
+    rows = rows_of(tmp_path, 3)
+    assert [r["round"] for r in rows[0]] == [1, 2]
+    sent = {r["bytes_sent"] for rs in rows for r in rs}
+    assert sent == {layout_line(logs[0])["round_bytes"]}, sent
+    losses = [log.valid_losses[-1] for log in logs]
+    assert max(losses) - min(losses) <= 1e-3 * min(losses), losses
+
+
+def test_different_models_are_refused_naming_the_difference(corpus, tmp_path):
+    """Under the canonical exchange layouts may differ, models may not: another hidden size, or a vocabulary padded
+    to another multiple, is refused at the rendezvous naming it; MoE is refused before training naming
+    --num-experts. No training iteration runs in any of them."""
+    canon = tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-timeout-seconds", "60")
+    jobs = {"hidden": (2, {1: ["--hidden-size", "128"]}, "hidden_size: cluster 0 has '64', cluster 1 has '128'"),
+            "vocab": (2, {1: ["--make-vocab-size-divisible-by", "100"]},
+                      "padded_vocab_size: cluster 0 has '4096', cluster 1 has '4100'"),
+            "moe": (1, {0: ["--num-experts", "2"]}, "canonical does not handle MoE (--num-experts)")}
+    handles = {k: start_on_cpu(n, 1, tiny_gpt_flags(corpus, 4), canon, per_cluster_args=extra)
+               for k, (n, extra, _) in jobs.items()}
+    try:
+        results = {k: (h.wait(300), h.logs) for k, h in handles.items()}
+    finally:
+        for h in handles.values():
+            h.stop()
+    for k, (_, _, message) in jobs.items():
+        codes, logs = results[k]
+        assert all(c != 0 for c in codes), (k, codes)
+        text = "\n".join(logs[-1].lines)
+        assert message in text, (k, text[-3000:])
+        assert not any(log.losses for log in logs), k
