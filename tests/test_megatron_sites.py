@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from megatron_dilocox.compression.codec import HEADER_BYTES
+from megatron_dilocox.harness.spawn import free_port
 from megatron_dilocox.metrics import read_rows
+from tests.coord_util import CoordinatorProcess
 from tests.megatron_flags import failure_report, run_on_cpu, start_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
 
 pytestmark = pytest.mark.megatron
 
 CANONICAL = ("--dilocox-exchange-layout", "canonical")
+SECRET = "sites-test-secret"
 
 
 @pytest.fixture
@@ -72,16 +75,25 @@ def test_two_layouts_exact_token_weighted_average(corpus, tmp_path):
 
 def test_three_sites_three_layouts_compressed(corpus, tmp_path):
     """TP1 PP1 (one process), TP2 (two: QKV of grouped-query attention and SwiGLU's fc1 split over TP), and DP2
-    with the distributed optimizer (two: flat shards): the defaults' int4 low-rank exchange on the canonical
-    matrices; every round's hash equal on the three sites, the same closed-form bytes on each, and the three
-    layouts evaluate the final global model to the same loss (a mis-mapped element would not)."""
+    with the distributed optimizer (two: flat shards), meeting at a standalone coordinator: the defaults' int4
+    low-rank exchange on the canonical matrices; every round's hash equal on the three sites, the same
+    closed-form bytes on each, and the three layouts evaluate the final global model to the same loss (a
+    mis-mapped element would not)."""
     model = ("--swiglu", "--group-query-attention", "--num-query-groups", "2")
-    codes, logs = run_on_cpu(3, 1, tiny_gpt_flags(corpus, 8, *model), tiny_dilocox_flags(tmp_path, *CANONICAL),
-                             per_cluster_args={1: ["--tensor-model-parallel-size", "2"],
-                                               2: ["--use-distributed-optimizer",  # (the corpus has two shards)
-                                                   "--train-data-path", f"{corpus}/train_c1_text_document"]},
-                             nproc_by_cluster={1: 2, 2: 2}, timeout=600)
-    assert codes == [0, 0, 0], failure_report(logs)
+    port = free_port()
+    coordinator = CoordinatorProcess(f"127.0.0.1:{port}", SECRET, str(tmp_path / "coordinator.log"))
+    try:
+        codes, logs = run_on_cpu(3, 1, tiny_gpt_flags(corpus, 8, *model),
+                                 tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-coordinator", "standalone"),
+                                 per_cluster_args={1: ["--tensor-model-parallel-size", "2"],
+                                                   2: ["--use-distributed-optimizer",  # (the corpus has two shards)
+                                                       "--train-data-path", f"{corpus}/train_c1_text_document"]},
+                                 nproc_by_cluster={1: 2, 2: 2}, timeout=600, rendezvous_port=port,
+                                 env={"DILOCOX_SECRET": SECRET})
+        assert codes == [0, 0, 0], failure_report(logs, [coordinator])
+    finally:
+        coordinator.stop()
+    assert coordinator.text().count(" -> commit") >= 2, coordinator.text()[-2000:]
     rows = rows_of(tmp_path, 3)
     assert [r["round"] for r in rows[0]] == [1, 2]
     sent = {r["bytes_sent"] for rs in rows for r in rs}

@@ -238,7 +238,8 @@ def run(clusters: int, nproc: int, megatron_args: list[str], dilocox_args: list[
         env: dict | None = None, timeout: float = 3600, echo: bool = True, echo_filter: str | None = None,
         module: str = "megatron_dilocox.pretrain_gpt", per_cluster_args: dict | None = None,
         nproc_by_cluster: dict | None = None, prefix_by_cluster: dict | None = None,
-        env_by_cluster: dict | None = None, rendezvous_host: str = "127.0.0.1") -> tuple[list[int], list[ClusterLog]]:
+        env_by_cluster: dict | None = None, rendezvous_host: str = "127.0.0.1",
+        rendezvous_port: int | None = None) -> tuple[list[int], list[ClusterLog]]:
     """Start every cluster, wait for all; return (exit codes, parsed logs).
 
     ``per_cluster_args``: {cluster: extra flags} (tests use it to make clusters disagree);
@@ -247,7 +248,8 @@ def run(clusters: int, nproc: int, megatron_args: list[str], dilocox_args: list[
     A cluster still running at ``timeout`` is killed and reported as -9."""
     cl = start(clusters, nproc, megatron_args, dilocox_args, env=env, echo=echo, echo_filter=echo_filter,
                module=module, per_cluster_args=per_cluster_args, nproc_by_cluster=nproc_by_cluster,
-               prefix_by_cluster=prefix_by_cluster, env_by_cluster=env_by_cluster, rendezvous_host=rendezvous_host)
+               prefix_by_cluster=prefix_by_cluster, env_by_cluster=env_by_cluster, rendezvous_host=rendezvous_host,
+               rendezvous_port=rendezvous_port)
     try:
         return cl.wait(timeout), cl.logs
     finally:
