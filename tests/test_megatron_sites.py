@@ -4,8 +4,8 @@ Each site is its own torchrun world with its own TP/PP/DP; rank 0 of every site 
 canonical layout (``megatron_dilocox/glue/canonical.py``). The float64 reference reads the θ and φ that rank 0
 dumps at each round ($DILOCOX_DUMP_ROUNDS).
 """
-import glob
 import json
+import signal
 
 import pytest
 import torch
@@ -124,3 +124,33 @@ def test_different_models_are_refused_naming_the_difference(corpus, tmp_path):
         text = "\n".join(logs[-1].lines)
         assert message in text, (k, text[-3000:])
         assert not any(log.losses for log in logs), k
+
+
+def test_a_site_killed_mid_round_resumes_with_another_process_count(corpus, tmp_path):
+    """Site 1 (TP1 PP2, two processes) is SIGKILLed mid-round; site 0 stops under the stop policy. Both restart
+    from their checkpoints, site 1 now as TP1 PP1 (one process: its torch_dist checkpoint is resharded, and the
+    DiLoCoX state is one object whatever the layout): every cluster resumes at the newest iteration complete on
+    both, trains to the end, and after the restart every round's hash is equal on both."""
+    iters = 16
+    megatron = tiny_gpt_flags(corpus, iters, "--save", f"{tmp_path}/ckpt_c{{cluster}}", "--load",
+                              f"{tmp_path}/ckpt_c{{cluster}}", "--save-interval", "4", "--ckpt-format", "torch_dist")
+    dilocox = tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-on-peer-failure", "stop", "--dilocox-timeout", "10")
+    cl = start_on_cpu(2, 1, megatron, dilocox, per_cluster_args={1: ["--pipeline-model-parallel-size", "2"]},
+                      nproc_by_cluster={1: 2})
+    try:
+        assert cl.logs[1].wait_for(lambda log: log.last_iteration >= 10, 300), failure_report(cl.logs)
+        cl.kill(1, signal.SIGKILL, rank=0)  # mid-round: rounds launch at 4, 8, 12
+        codes = cl.wait(120)
+    finally:
+        cl.stop()
+    assert codes[0] != 0 and any("stopped: lost cluster(s) 1" in line for line in cl.logs[0].lines)
+    first = [len(read_rows(f"{tmp_path}/metrics_c{c}.jsonl")) for c in range(2)]
+    codes, logs = run_on_cpu(2, 1, megatron, dilocox, timeout=420)
+    assert codes == [0, 0], failure_report(logs)
+    for log in logs:
+        assert any("DiLoCoX resume: every cluster loads iteration 8" in line for line in log.lines), log.lines[-40:]
+    after = [read_rows(f"{tmp_path}/metrics_c{c}.jsonl")[n:] for c, n in enumerate(first)]
+    # round 2 was in flight at iteration 8: saved with the checkpoint as finished, applied after the restart
+    assert [r["round"] for r in after[0]] == [r["round"] for r in after[1]] == [2, 3, 4]
+    assert [r["global_model_hash"] for r in after[0]] == [r["global_model_hash"] for r in after[1]]
+    assert all(r["status"] == "applied" for rs in after for r in rs)

@@ -256,7 +256,11 @@ class DiLoCoXOptimizer:
         state = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, **kwargs)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         data = None if is_loading else self.sync.state_dict()
-        state[STATE_KEY] = ShardedObject(f"optimizer.{STATE_KEY}.state", data, (world,), (rank,), replica_id=0)
+        if self.cfg.exchange_layout == "canonical":  # one object, rank 0's, whatever the site's layout: a site
+            # may resume with another process count (every rank loads it; canonical.py uses it on rank 0)
+            state[STATE_KEY] = ShardedObject(f"optimizer.{STATE_KEY}.canonical", data, (1,), (0,), replica_id=rank)
+        else:
+            state[STATE_KEY] = ShardedObject(f"optimizer.{STATE_KEY}.state", data, (world,), (rank,), replica_id=0)
         return state
 
     def load_state_dict(self, state_dict):
