@@ -74,6 +74,12 @@ class DiLoCoXConfig:
                                       "budget's whole rounds on a slow link)")
     adaptive_h: bool = knob(True, "raise H when the transfer takes longer than H inner steps")
     adaptive_h_margin: float = knob(0.1, "adaptive H keeps the transfer this fraction shorter than a round")
+    per_site_h: bool = knob(False, "sites of different speeds: the slowest site runs H steps per round and every "
+                                   "other site as many as fit in the same wall time (its own measured step time, "
+                                   "up to 4x H), weighted by its tokens; the run ends when the sites' tokens together "
+                                   "reach their planned total, and Megatron's LR schedule follows that total "
+                                   "(docs/algorithm.md#sites-of-different-speeds). Off: lockstep rounds, every "
+                                   "site H steps")
     overlap: str = knob("eager", "none (synchronous DiLoCo), one-step-delay or eager (both: the transfer hidden "
                                  "behind the next round, applied one round late; eager starts that round from a "
                                  "local proxy of the missing average)")
@@ -338,6 +344,13 @@ class DiLoCoXConfig:
         if self.quant_bits == 4 and self.quant_block_size % 2:
             fail("quant_block_size", f"must be even with 4-bit quantization, got {self.quant_block_size}")
         need_int("seed", 0)
+        if self.per_site_h:
+            if not self.adaptive_h:
+                fail("per_site_h", "needs --dilocox-adaptive-h (per-site H follows the measured step times)")
+            if self.fragments > 1:
+                fail("per_site_h", "needs --dilocox-fragments 1")
+            if self.on_peer_failure == "continue":
+                fail("per_site_h", "needs --dilocox-on-peer-failure stop (the run's token total counts every site)")
         if self.exchange_layout not in EXCHANGE_LAYOUTS:
             fail("exchange_layout", f"must be one of {', '.join(EXCHANGE_LAYOUTS)}, got {self.exchange_layout!r}")
         return self

@@ -101,3 +101,27 @@ def test_a_payload_altered_in_flight_is_applied_once_and_repaired_in_the_next_ro
     assert hashes[0][2:] == hashes[1][2:]  # repaired before round 3's outer step
     assert [r["repaired"] for r in rows[0]] == [[], [], [1], [], []] == [r["repaired"] for r in rows[1]]
     assert any("repaired from cluster 0" in w for w in res[(1, 0)]["warnings"])
+
+
+def test_per_site_h_sizes_each_sites_round_to_its_speed(tmp_path):
+    """--dilocox-per-site-h with a site four times slower (its steps sleep 80 ms, the other's 20 ms): from round 3
+    on the fast site runs at least twice the slow site's H and weighs that much more, it waits less than one slow
+    step per round at the boundary (lockstep would cost it ~3/4 of every round), every round's hash is equal, and
+    both sites end at the same round, once their tokens together reach the planned total (2 x 24 steps)."""
+    C, steps = 2, 24
+    res = train_clusters(C, steps=steps, metrics_dir=str(tmp_path), step_sleep_by_cluster={"0": 0.02, "1": 0.08},
+                         dilocox=dilocox_spec(C, h=4, overlap="none", lowrank=False, adaptive_h=True,
+                                              per_site_h=True))
+    assert_no_errors(res)
+    rows = [read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C)]
+    assert len(rows[0]) == len(rows[1]) >= 3
+    assert [r["global_model_hash"] for r in rows[0]] == [r["global_model_hash"] for r in rows[1]]
+    for fast, slow in list(zip(rows[0], rows[1]))[2:]:
+        assert fast["H"] >= 2 * slow["H"], (fast["H"], slow["H"])
+        assert fast["weight"] >= 2 * slow["weight"] - 1e-9
+        # the fast site's wait for the slow one: comm minus its own transfer, under one slow step (80 ms)
+        assert fast["comm_seconds"] - fast["transfer_seconds"] < 0.08, fast
+    total = sum(r["tokens"] for rs in rows for r in rs)
+    last = rows[0][-1]["tokens"] + rows[1][-1]["tokens"]
+    assert 2 * steps - last / 2 <= total <= 2 * steps + last, (total, last)
+    assert sum(r["tokens"] for r in rows[0]) > sum(r["tokens"] for r in rows[1])  # the fast site trained more

@@ -157,7 +157,9 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN + 1), torch.nn.Tanh(), torch.nn.Linear(HIDDEN + 1, OUT))
     inner = make_inner(model, spec.get("inner", "adam"), spec.get("inner_lr", 0.01))
     metrics = MetricsWriter(spec.get("metrics_dir") and f"{spec['metrics_dir']}/metrics_c{cluster}.jsonl")
-    sync = make_sync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics).start()
+    sync = make_sync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics)
+    sync.token_budget = spec["steps"] * (spec.get("tokens_by_cluster", {}).get(str(cluster)) or 1.0)
+    sync.start()
     warnings: list = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -173,7 +175,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
         sync.round += 1
     die = spec.get("die", {})
     try:
-        for step in range(sync.iteration, spec["steps"]):
+        last = spec["steps"] * (4 if cfg.per_site_h else 1)  # per-site H: the run ends at the sites' token total
+        for step in range(sync.iteration, last):
             if die.get("slot") == slot and die.get("step") == step:
                 if die.get("flag"):
                     open(die["flag"], "w").close()
@@ -189,6 +192,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
             inner.step()
             if spec.get("step_sleep"):
                 time.sleep(spec["step_sleep"])
+            time.sleep(spec.get("step_sleep_by_cluster", {}).get(str(cluster), 0.0))
             pre = [p.detach().clone() for p in model.parameters()] if spec.get("record_pre") else None
             if sync.after_inner_step(tokens=tokens):
                 out["pre"].append(pre)  # θ just before the boundary (or landing)
@@ -202,6 +206,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
                 out["corrupted"] = {"step": step, "round": len(sync.rows)}
             if sync.stopped:
                 out["error"] = sync.stopped
+                break
+            if getattr(sync, "run_complete", False):
                 break
         if spec.get("finalize", True) and not sync.stopped:
             sync.finalize()

@@ -87,7 +87,10 @@ class ExchangeResult:
     local_ok: bool = True
     lost: list = field(default_factory=list)  # clusters lost in this round (status "stopped: ...")
     launched_at: int = 0  # the iteration whose boundary launched this round
+    launched_tokens: float = 0.0  # the tokens of every applied round, all sites, when it was launched
     tokens: float = 0.0  # this cluster's weight: the tokens of its round
+    member_index: int = 0  # this cluster's place in the group (and in the lists below) at the exchange
+    member_step_seconds: list = field(default_factory=list)  # each member's inner-step time (header)
     weights: list = field(default_factory=list)  # tokens per member (group order) this round was averaged with
     state_hashes: list = field(default_factory=list)  # each member's outer-state hash at launch (group order)
     repaired: list = field(default_factory=list)  # clusters whose outer state was replaced (outer/sync.py)
@@ -242,6 +245,7 @@ class PseudoGradientCodec(LocalBasisExchange):
         result.peer_step_seconds = max(float(h[6]) for h in headers)
         result.peer_seconds_per_byte = max(float(h[7]) for h in headers)
         result.weights, result.tokens = [float(h[8]) for h in headers], float(tokens)
+        result.member_index, result.member_step_seconds = coll.rank, [float(h[6]) for h in headers]
         result.state_hashes = [int(h[9]) for h in headers]
         self._scales = self._weight_scales(result.weights)
         if link_steps > 0 and self.groups and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:

@@ -5,6 +5,7 @@ cluster (one value per cluster), so every rank of every cluster takes the same p
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from megatron_dilocox.compression import adaptive
@@ -19,6 +20,12 @@ TAU_MARGIN = 1.0
 # takes at most this many inner steps: at τ = H every step of the round trains on the stand-in (Python docs,
 # H = 1, 1000 Megatron iterations: +12% validation loss vs synchronous DiLoCo), and the wait costs at most this.
 SYNC_LANDING_STEPS = 0.5
+
+# --dilocox-per-site-h: a site whose steps are within this fraction of the slowest site's runs the same H (step
+# times jitter by a few percent on a busy host; H ± 1 from noise would only move the boundary), and no site runs
+# more than MAX_SPEED_RATIO x H steps (the Megatron glue provisions that much data: glue/seam.py)
+SPEED_DEADBAND = 0.1
+MAX_SPEED_RATIO = 4.0
 
 # --dilocox-slow-link-fragments switches once a round sent whole lands at least this far into the next one: one
 # landing at the round's end cost +1.6% (KJV) vs synchronous DiLoCo at H = 100 and F = 4 fragments +0.6%, where a
@@ -73,8 +80,25 @@ def next_round(sync, result) -> tuple[int, int, int]:
             rank = 0
         else:
             rank = budget_rank(sync, result)
+    if cfg.per_site_h:
+        h, tau = per_site(result, h, tau)
     h, rank, tau = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget)
     return h, rank, min(tau, h)
+
+
+def per_site(result, h: int, tau: int) -> tuple[int, int]:
+    """--dilocox-per-site-h: H and τ above are in the slowest site's steps (adaptive H sizes them from the largest
+    step time); this site runs as many of its own steps as fit in the same wall time, ⌊H · s_max / s_mine⌋, so
+    the sites reach the boundary together (Asynchronous Local-SGD's dynamic local updates, arXiv 2401.09135).
+    From the step times in the headers every site received (docs/algorithm.md#sites-of-different-speeds)."""
+    steps = result.member_step_seconds
+    if not steps or result.member_index >= len(steps):
+        return h, tau
+    mine, slowest = steps[result.member_index], max(steps)
+    if mine <= 0 or slowest <= 0 or slowest / mine < 1.0 + SPEED_DEADBAND:
+        return h, tau
+    ratio = min(slowest / mine, MAX_SPEED_RATIO)
+    return max(1, math.floor(h * ratio)), max(1, math.ceil(tau * ratio)) if tau else 0
 
 
 def link_holds_whole_rounds(sync) -> bool:

@@ -55,7 +55,7 @@ from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.net.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import handover, plan, repair, report, resume
+from megatron_dilocox.outer import budget, handover, plan, repair, report, resume
 from megatron_dilocox.outer.link import LinkRate, probe_link
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
@@ -107,6 +107,15 @@ class DiLoCoXSync:
         self.tokens_per_step = 1.0  # this cluster's tokens per inner step (glue: global batch x sequence length)
         self.round_tokens = 0.0  # tokens trained since the last launched round: the next round's weight
         self._launched_tokens = 0.0
+        # --dilocox-per-site-h: the run ends at a token total every site computes alike (budget.py)
+        self.token_budget = 0.0  # this site's planned tokens (the glue: --train-iters x tokens per step)
+        self.budget_total = 0.0  # every site's, summed at start
+        self.run_iters_global: Optional[int] = None  # the longest site's planned iterations (outer-lr warm-up)
+        self.tokens_per_global_step = 0.0  # one step of every site
+        self.global_tokens = 0.0  # tokens of every applied round, all sites together
+        self.last_round_global = 0.0  # of the last applied round
+        self.projected = 0.0  # at the last boundary: applied + the round in flight (as large as the last one)
+        self.run_complete = False
         self._last_hook = None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
         self._in_flight: Optional[concurrent.futures.Future] = None
@@ -135,6 +144,8 @@ class DiLoCoXSync:
         self.anchor = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
         self.outer = OuterNesterov.from_config(self.anchor, self.cfg)
         self._restart_round_at_anchor()
+        if self.cfg.per_site_h:
+            budget.agree(self)
         if self.link_budget and self.link.seconds_per_byte == 0:  # (a fragment after the first: already probed)
             self.link.seconds_per_byte = probe_link(self.group, self.codec.payload_sizes(0)[0])
         self._last_hook = time.perf_counter()
@@ -204,6 +215,7 @@ class DiLoCoXSync:
                 self.round_tokens += tokens
                 return
             self._set_params(self.anchor)  # θ ← φ
+            budget.at_boundary(self)
         else:
             if self._in_flight is not None or self._done is not None:
                 t0 = time.perf_counter()
@@ -217,6 +229,7 @@ class DiLoCoXSync:
             self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration, tokens)
             self._set_params(self._local_start(delta))
             self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
+            budget.at_boundary(self)
             if self.tau == 0:  # synchronous landing (plan.SYNC_LANDING_STEPS): θ = φ + (θ − θ_s) = φ exactly
                 self.land()
 
@@ -255,7 +268,7 @@ class DiLoCoXSync:
         if self.eager:
             if self.correction is None:
                 self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
-            self.correction.step(delta, self.local_weight, lr=self.cfg.outer_lr_at(self.iteration, self.train_iters))
+            self.correction.step(delta, self.local_weight, lr=budget.outer_lr(self, self.iteration, self.global_tokens))
             return [a.to(d.device) + c.to(d.device) for a, c, d in zip(self.anchor, self.correction.value, delta)]
         # θ ← φ − w δ_t in one pass (w = 1: 1.0 * δ is exact, so bitwise φ − δ_t)
         return [torch.sub(a.to(d.device), d, alpha=self.local_weight) for a, d in zip(self.anchor, delta)]
@@ -296,6 +309,7 @@ class DiLoCoXSync:
         attempt leaves the codec as it was and, per the verdict, is retried by the survivors or dropped.
         (Runs in the exchange thread: φ and the momentum are not written until the main thread applies it.)"""
         t0, wall0 = time.perf_counter(), time.time()
+        launched_tokens = self.global_tokens  # (the main thread changes it only when it applies this round)
         state_hash = self.state_hash()
         # round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
         # header every cluster shares (no landing has run _adapt yet)
@@ -338,6 +352,7 @@ class DiLoCoXSync:
             result.lost = list(verdict["lost"])
             break
         result.comm_seconds, result.launched_at = time.perf_counter() - t0, iteration
+        result.launched_tokens = launched_tokens
         self.exchange_spans.append((wall0, time.time()))
         if verdict["admitted"]:
             log.warning("DiLoCoX round %d: cluster(s) %s rejoin; handing them the global state", round_idx,
@@ -373,7 +388,10 @@ class DiLoCoXSync:
             repair.install(self, result.repair)
             result.repair = None
         if result.deltas is not None:
-            self.outer.step(result.deltas, lr=self.cfg.outer_lr_at(result.launched_at, self.train_iters))  # φ ← Outer(φ, Δ)
+            self.last_round_global = sum(result.weights)
+            self.global_tokens += self.last_round_global
+            lr = budget.outer_lr(self, result.launched_at, result.launched_tokens)
+            self.outer.step(result.deltas, lr=lr)  # φ ← Outer(φ, Δ)
         else:
             log.warning("DiLoCoX round %d %s; the global model was not changed", result.round, result.status)
         h_used, rank_used = self.h, result.rank
