@@ -5,12 +5,15 @@ canonical layout (``megatron_dilocox/glue/canonical.py``). The float64 reference
 dumps at each round ($DILOCOX_DUMP_ROUNDS).
 """
 import json
+import os
+import re
 import signal
 
 import pytest
 import torch
 
 from megatron_dilocox.compression.codec import HEADER_BYTES
+from megatron_dilocox.harness import throttle
 from megatron_dilocox.harness.spawn import free_port
 from megatron_dilocox.metrics import read_rows
 from tests.coord_util import CoordinatorProcess
@@ -154,3 +157,42 @@ def test_a_site_killed_mid_round_resumes_with_another_process_count(corpus, tmp_
     assert [r["round"] for r in after[0]] == [r["round"] for r in after[1]] == [2, 3, 4]
     assert [r["global_model_hash"] for r in after[0]] == [r["global_model_hash"] for r in after[1]]
     assert all(r["status"] == "applied" for rs in after for r in rs)
+
+
+LR_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?learning rate: ([\d.E+-]+)")
+
+
+def learning_rates(log) -> dict:
+    return {int(m.group(1)): float(m.group(2)) for m in map(LR_RE.search, log.lines) if m}
+
+
+@pytest.mark.skipif(throttle.unavailable() is not None, reason=f"cgroup cpu quota: {throttle.unavailable()}")
+def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
+    """Site 1's processes in a cgroup at half a core's CPU quota, site 0 unthrottled, --dilocox-per-site-h: from
+    round 3 on the fast site runs more steps per round than the slow one (and weighs more), both end at the same
+    round once their tokens together reach the planned total (2 x 24 iterations x 8 x 128 tokens), the fast site
+    having trained more iterations than it was given, every round's hash equal; both sites' cosine LR schedules
+    follow the run's tokens, so they end at the same point of the schedule although their iteration counts
+    differ."""
+    iters = 24
+    megatron = tiny_gpt_flags(corpus, iters, "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "3e-4")
+    dilocox = tiny_dilocox_flags(tmp_path, "--dilocox-adaptive-h", "--dilocox-per-site-h", "--dilocox-overlap", "none")
+    with throttle.cpu_quota(f"dilocox_test_{os.getpid()}", 0.5) as slow:
+        codes, logs = run_on_cpu(2, 1, megatron, dilocox, prefix_by_cluster={1: slow}, timeout=600)
+    assert codes == [0, 0], failure_report(logs)
+    rows = rows_of(tmp_path, 2)
+    fast, slow = rows
+    assert len(fast) == len(slow) >= 3
+    for f, s in list(zip(fast, slow))[2:]:
+        assert f["H"] > s["H"] and f["weight"] > s["weight"], (f["H"], s["H"])
+    total, last = sum(r["tokens"] for rs in rows for r in rs), fast[-1]["tokens"] + slow[-1]["tokens"]
+    budget = 2 * iters * 8 * 128
+    assert budget - last / 2 <= total <= budget + last, (total, budget, last)
+    ends = [log.last_iteration for log in logs]
+    assert ends[0] > iters > ends[1], ends
+    lrs = [learning_rates(log) for log in logs]
+    end_lr = [lr[e] for lr, e in zip(lrs, ends)]
+    assert end_lr[0] == pytest.approx(end_lr[1], rel=0.25), (end_lr, ends)
+    assert lrs[0][iters] > 1.5 * end_lr[0], (lrs[0][iters], end_lr)  # at its own --train-iters the run is not over
+    print(f"SITES per-site H at half a core: iterations {ends}, H {[r['H'] for r in fast]} vs {[r['H'] for r in slow]}"
+          f", final LR {end_lr}")

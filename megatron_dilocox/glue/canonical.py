@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import types
 import hashlib
 import logging
 import os
@@ -36,6 +37,7 @@ import torch
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 from megatron_dilocox.glue.param_views import leaf_optimizers, _owned_pairs
 from megatron_dilocox.metrics import MetricsWriter
+from megatron_dilocox.outer import budget
 from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.cluster import SingleRank
 
@@ -171,7 +173,8 @@ class CanonicalSite:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.params = layout.views  # what this rank holds: θ for evaluation's save/restore
         self.outer_device = torch.device("cpu")
-        self.iteration, self.stopped, self.joined_midrun = 0, None, False
+        self.iteration, self.stopped, self.joined_midrun, self.run_complete = 0, None, False, False
+        self._shared, self._shared_at = {}, 0  # rank 0's budget figures at the last change, and that iteration
         device = layout.views[0].device if layout.views else torch.device("cpu")
         self.device = device
         # who sends what: rank 0 learns every rank's indices once; each element is gathered from its first owner
@@ -268,10 +271,30 @@ class CanonicalSite:
             if before is not None:
                 self._dump(before)
         self._scatter()
-        stopped = self._flag([float(bool(s is not None and s.stopped))])[0]
-        if stopped and self.stopped is None:
-            self.stopped = s.stopped if s is not None else "DiLoCoX stopped on this site's rank 0 (see its log)"
+        self._after_change()
         return True
+
+    def _after_change(self):
+        """(Every rank, after a step that changed θ) what rank 0's round decided: stop, the run's end, its
+        progress (--dilocox-per-site-h)."""
+        s = self.sync
+        fields = ("projected", "last_round_global", "h", "budget_total", "steps_in_round", "token_budget",
+                  "tokens_per_step")
+        vals = self._flag([float(bool(s is not None and s.stopped)), float(bool(s is not None and s.run_complete))]
+                          + [float(getattr(s, k)) if s is not None else 0.0 for k in fields])
+        if vals[0] and self.stopped is None:
+            self.stopped = s.stopped if s is not None else "DiLoCoX stopped on this site's rank 0 (see its log)"
+        self.run_complete = bool(vals[1])
+        self._shared, self._shared_at = dict(zip(fields, vals[2:])), self.iteration
+
+    def progress(self) -> Optional[float]:
+        if self.sync is not None:
+            return self.sync.progress()
+        if not self._shared:
+            return None
+        view = types.SimpleNamespace(**self._shared, iteration=self.iteration,
+                                     steps_in_round=self._shared["steps_in_round"] + self.iteration - self._shared_at)
+        return budget.progress(view)
 
     def _dump(self, theta_before: torch.Tensor):
         """$DILOCOX_DUMP_ROUNDS=DIR (an audit aid; the tests' float64 reference reads it): θ as gathered before the

@@ -364,6 +364,10 @@ class DiLoCoXSync:
     def state_hash(self) -> int:
         return repair.state_hash(self)
 
+    def progress(self) -> Optional[float]:
+        """--dilocox-per-site-h: the run's fraction trained so far (budget.py); None otherwise."""
+        return budget.progress(self)
+
     def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
         """φ ← Outer(φ, Δ) at the outer lr of the round's start iteration (config.outer_lr_at), then the next
         round's plan."""
