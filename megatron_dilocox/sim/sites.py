@@ -2,7 +2,7 @@
 
 A site's inner step takes s_c = (its tokens per step) / (its GPUs x tokens/s per GPU). In lockstep rounds every
 site runs the same H, so a round lasts H x max_c s_c and a faster site waits the difference at every boundary.
-Sized per site (docs/algorithm.md#sites-of-different-speeds; the planner's rule, not yet what training does), the slowest site runs H steps and sets the round's
+Sized per site (docs/algorithm.md#sites-of-different-speeds; --dilocox-per-site-h runs the same rule), the slowest site runs H steps and sets the round's
 wall time T = H x max_c s_c (at least the transfer's time with the margin, when it is given), and every site runs
 H_c = floor(T / s_c) steps: the most that reach the boundary no later than the slowest site, so a site waits
 less than one of its own steps per round. Each site's pseudo-gradient is weighted by its tokens in the round,
