@@ -60,7 +60,9 @@ def test_two_layouts_exact_token_weighted_average(corpus, tmp_path):
     assert codes == [0, 0], failure_report(logs)
     rows = rows_of(tmp_path, 2)
     assert [r["round"] for r in rows[0]] == [1, 2]
-    assert [r["weight"] for r in rows[1]] == pytest.approx([2 / 3] * 2, rel=1e-12)
+    for c, batch in ((0, 8), (1, 16)):  # (different global batch sizes: the weights are their tokens)
+        assert [r["tokens"] for r in rows[c]] == [4 * batch * 128] * 2
+        assert [r["weight"] for r in rows[c]] == pytest.approx([batch / 24] * 2, rel=1e-12)
     for it in (4, 8):
         d0, d1 = (torch.load(dump / f"c{c}_it{it}.pt") for c in range(2))
         assert d0["units"] == d1["units"] and torch.equal(d0["phi"], d1["phi"])
