@@ -81,7 +81,8 @@ def test_two_layouts_exact_token_weighted_average(corpus, tmp_path):
 def test_three_sites_three_layouts_compressed(corpus, tmp_path):
     """TP1 PP1 (one process), TP2 (two: QKV of grouped-query attention and SwiGLU's fc1 split over TP), and DP2
     with the distributed optimizer (two: flat shards), meeting at a standalone coordinator: the defaults' int4
-    low-rank exchange on the canonical matrices; every round's hash equal on the three sites, the same
+    low-rank exchange on the canonical matrices, eager rounds landing two steps into the next (each site's ranks
+    move θ at the landings too); every round's hash equal on the three sites, the same
     closed-form bytes on each, and the three layouts evaluate the final global model to the same loss (a
     mis-mapped element would not)."""
     model = ("--swiglu", "--group-query-attention", "--num-query-groups", "2")
@@ -89,7 +90,8 @@ def test_three_sites_three_layouts_compressed(corpus, tmp_path):
     coordinator = CoordinatorProcess(f"127.0.0.1:{port}", SECRET, str(tmp_path / "coordinator.log"))
     try:
         codes, logs = run_on_cpu(3, 1, tiny_gpt_flags(corpus, 8, *model),
-                                 tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-coordinator", "standalone"),
+                                 tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-coordinator", "standalone",
+                                                    "--dilocox-overlap-steps", "2"),  # (landings inside rounds)
                                  per_cluster_args={1: ["--tensor-model-parallel-size", "2"],
                                                    2: ["--use-distributed-optimizer",  # (the corpus has two shards)
                                                        "--train-data-path", f"{corpus}/train_c1_text_document"]},
@@ -198,3 +200,38 @@ def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
     assert lrs[0][iters] > 1.5 * end_lr[0], (lrs[0][iters], end_lr)  # at its own --train-iters the run is not over
     print(f"SITES per-site H at half a core: iterations {ends}, H {[r['H'] for r in fast]} vs {[r['H'] for r in slow]}"
           f", final LR {end_lr}")
+
+
+@pytest.mark.slow
+def test_a_site_lost_under_continue_rejoins_with_another_layout(corpus, tmp_path):
+    """--dilocox-on-peer-failure continue: site 1 (TP1 PP2, two processes) is SIGKILLed mid-round; site 0 goes on
+    alone and trains every one of its iterations; site 1 restarts as TP1 PP1 (one process), is admitted at a
+    round boundary with the canonical state, moves to the running site's iteration, and from then on every
+    round's hash is equal on both."""
+    iters, port = 400, free_port()
+    megatron = tiny_gpt_flags(corpus, iters)
+    dilocox = tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-on-peer-failure", "continue", "--dilocox-timeout", "20")
+    env = {"DILOCOX_SECRET": SECRET}
+    cl = start_on_cpu(2, 1, megatron, dilocox, per_cluster_args={1: ["--pipeline-model-parallel-size", "2"]},
+                      nproc_by_cluster={1: 2}, rendezvous_port=port, env=env)
+    again = None
+    try:
+        assert cl.logs[1].wait_for(lambda log: log.last_iteration >= 10, 300), failure_report(cl.logs)
+        cl.kill(1, signal.SIGKILL, rank=0)
+        killed_at = cl.logs[1].last_iteration
+        cl.procs[1].wait(60)
+        seen = len(read_rows(f"{tmp_path}/metrics_c1.jsonl"))
+        again = start_on_cpu(2, 1, megatron, dilocox, rendezvous_port=port, env=env, only=[1])
+        codes = [cl.wait(900)[0]] + again.wait(600)
+    finally:
+        cl.stop()
+        if again is not None:
+            again.stop()
+    assert codes == [0, 0], failure_report([cl.logs[0]] + again.logs)
+    assert cl.logs[0].last_iteration == iters  # the survivor lost no iteration
+    survivor = {r["round"]: r["global_model_hash"] for r in read_rows(f"{tmp_path}/metrics_c0.jsonl")}
+    joiner = read_rows(f"{tmp_path}/metrics_c1.jsonl")[seen:]
+    assert joiner and all(survivor[r["round"]] == r["global_model_hash"] for r in joiner), joiner[:3]
+    moved = [int(m.group(1)) for line in again.logs[0].lines
+             if (m := re.search(r"continues from iteration (\d+) with the running clusters", line))]
+    assert len(moved) == 1 and moved[0] > killed_at and again.logs[0].last_iteration == iters, moved

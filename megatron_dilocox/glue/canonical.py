@@ -18,8 +18,9 @@ so it is comparable across sites whatever their layouts.
 Cost and limits: rank 0 keeps the outer state of the whole model (φ, momentum, round start, error feedback,
 three codec slabs: ~7 fp32 copies in host memory), so this mode suits models whose copies fit one node's memory;
 lanes over several exchange ranks are the way to larger models and are not built. Refused before training, each
-naming its flag: --dilocox-fragments > 1 (and the slow-link switch to fragments is off), MoE (--num-experts),
-rejoining a run in progress (--dilocox-on-peer-failure continue). Padded vocabularies that differ between sites
+naming its flag: --dilocox-fragments > 1 (and the slow-link switch to fragments is off) and MoE (--num-experts).
+A site may rejoin a run in progress (--dilocox-on-peer-failure continue) with another layout than the one it left
+with: what it is handed is canonical. Padded vocabularies that differ between sites
 (--make-vocab-size-divisible-by x TP) are refused at the rendezvous, which compares the canonical units.
 """
 from __future__ import annotations
@@ -52,9 +53,6 @@ def check_supported(cfg: DiLoCoXConfig, args):
                                  "every site the same layout and use --dilocox-exchange-layout local")
     if cfg.fragments > 1:
         raise DiLoCoXConfigError("--dilocox-exchange-layout canonical needs --dilocox-fragments 1")
-    if cfg.on_peer_failure == "continue":
-        raise DiLoCoXConfigError("--dilocox-exchange-layout canonical does not let a site rejoin a run in progress "
-                                 "yet: use --dilocox-on-peer-failure stop")
 
 
 def _sharded_tensors(model_chunks) -> list:
@@ -247,9 +245,14 @@ class CanonicalSite:
 
     # ------------------------------------------------------------------------------------ as DiLoCoXSync
     def start(self):
+        """θ ← the global model: cluster 0's, or (a site restarted under --dilocox-on-peer-failure continue,
+        perhaps with another layout) the running sites' state, handed to rank 0 in canonical layout."""
         self._gather()
         if self.sync is not None:
             self.sync.start()
+        s = self.sync
+        joined, iteration = self._flag([float(s.joined_midrun) if s else 0.0, float(s.iteration) if s else 0.0])
+        self.joined_midrun, self.iteration = bool(joined), int(iteration)
         self._scatter()
         return self
 

@@ -145,7 +145,9 @@ class DiLoCoXOptimizer:
             store = connect_store(cfg, host_store=(cfg.cluster_id == 0))
             group = InterClusterGroup(cfg, 0, store, fingerprint(cfg, args, layout.views, layout), local_world=1)
         intra = TorchDistCluster()
-        checkpoints.agree_on_resume_iteration(cfg, args, group, intra)  # (rank 0 decides for the site)
+        joining = intra.reduce([float(group is not None and group.joining)], "max")[0]  # (rank 0's group knows)
+        if not joining:  # a rejoining site takes the running sites' state instead
+            checkpoints.agree_on_resume_iteration(cfg, args, group, intra)  # (rank 0 decides for the site)
         self.view_kinds = ["dense"] * len(layout.views)
         self.sync = canonical.CanonicalSite(layout, cfg, group, cfg.metrics_file if rank == 0 else None,
                                             run_iters(args))
