@@ -81,7 +81,8 @@ def disagreements():
     fp_dilocox = _fingerprints(mp, dilocox1=dict(h=8))
     cases = {
         "layout": (_fingerprints(mp, args1=dict(pipeline_model_parallel_size=1)),
-                   "pipeline_model_parallel_size: cluster 0 has '2', cluster 1 has '1'"),
+                   "pipeline_model_parallel_size: cluster 0 has '2', cluster 1 has '1' (sites whose parallel layouts "
+                   "differ: start every site with --dilocox-exchange-layout canonical)"),
         "seed": (_fingerprints(mp, args1=dict(seed=4321)), "seed: cluster 0 has '1234', cluster 1 has '4321'"),
         "model-shape": (_fingerprints(mp, args1=dict(hidden_size=96), shapes1=shapes(96)),
                         f"hidden_size: cluster 0 has '64', cluster 1 has '96'; "

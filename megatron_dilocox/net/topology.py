@@ -308,7 +308,7 @@ class InterClusterGroup(Collective):
                 time.sleep(0.05)
         if problems:
             hint = ""
-            if any(p.startswith(("shapes:", "tensor_model", "pipeline_model", "virtual_pipeline", "data_parallel",
+            if any(p.startswith(("tensor_model", "pipeline_model", "virtual_pipeline", "data_parallel",
                                  "context_parallel", "expert_model", "expert_tensor", "use_distributed")) for p in problems):
                 hint = (" (sites whose parallel layouts differ: start every site with --dilocox-exchange-layout "
                         "canonical)")
