@@ -36,6 +36,13 @@ def free_port() -> int:
     auto-assigned, so only another explicit bind can collide, which the probe catches."""
     high = _ephemeral_low() - 1
     low = max(1024, high - 16000)
+    # pytest-xdist workers (and every process they start) draw from disjoint quarters of the range: two workers
+    # once drew the same port between one's probe and its server's bind (EADDRINUSE in CI)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        quarter = (high - low) // 4
+        low += (int(worker[2:]) % 4) * quarter
+        high = low + quarter - 1
     rng = random.Random()  # fresh OS entropy: forked workers must not share one sequence
     for _ in range(200):
         port = rng.randint(low, high)
