@@ -19,6 +19,11 @@ OUTER_STATE_DEVICES = ("cpu", "param")
 PEER_FAILURE_POLICIES = ("stop", "continue")
 COORDINATOR_MODES = ("embedded", "standalone")
 EXCHANGE_LAYOUTS = ("local", "canonical")
+# Megatron's parallel-layout arguments: what --dilocox-exchange-layout canonical lets sites differ in (the glue's
+# fingerprint leaves them out then; the rendezvous names the flag when only they differ)
+PARALLEL_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                        "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                        "expert_tensor_parallel_size", "data_parallel_size", "use_distributed_optimizer")
 SECRET_ENV = "DILOCOX_SECRET"
 # default --dilocox-h-max = this x --dilocox-h. Adaptive H may lengthen rounds this far; the link budget does so
 # to send them whole rather than cut the rank (outer/plan.py). On the ratio-325 link the main job's whole int4

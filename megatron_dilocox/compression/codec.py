@@ -22,7 +22,9 @@ Weights: the average is Σ_c w_c x_c / Σ_c w_c, w_c the tokens cluster c traine
 so a site that trained on more tokens counts for more (docs/algorithm.md#weights). Every cluster computes the
 scales C·w_c/Σw from the same headers; when all weights are equal (lockstep sites of one batch size) no
 scale is applied at all, which keeps that case bitwise the plain mean. The header also carries each cluster's
-hash of its outer state at the round's launch (outer/sync.py compares them and repairs a site that differs). Error feedback is local (Vogels et al., 2019): the decompression of
+hash of its outer state at the round's launch (outer/repair.py compares them and repairs a site that differs).
+
+Error feedback is local (Vogels et al., 2019): the decompression of
 this cluster's own P^ Q'^T, so the running sum of transmitted updates equals the running sum of true
 updates minus the current e.
 
@@ -342,7 +344,8 @@ class PseudoGradientCodec(LocalBasisExchange):
         n = len(pieces)
         if self.cfg.quant_bits == 32:
             flat = [p.reshape(-1).float() for p in pieces]
-            total = coll.all_reduce_sum(torch.cat([self._weighted(f, coll.rank) for f in flat] + [r.float() for r in raw]))
+            weighted = [self._weighted(f, coll.rank) for f in flat]
+            total = coll.all_reduce_sum(torch.cat(weighted + [r.float() for r in raw]))
             parts = list(torch.split(total, [f.numel() for f in flat] + [r.numel() for r in raw]))
             sent = flat
         else:

@@ -8,8 +8,8 @@ much less of M = δ + e than M's own top-r subspace, and under error feedback th
 Here every cluster estimates its own top-r subspace with ``--dilocox-lowrank-local-iters`` block power
 iterations (compute, no bytes), warm-started from its own last right factor, fits the right factor to the
 *quantized* left factor (least squares, so P's quantization error is mostly absorbed), and sends both in one
-all-gather. The average is Δ = (1/C) Σ_c P_c Q_c^T (rank up to C·r; with unequal token weights each term scaled by C·w_c/Σw), summed in cluster order, so every cluster
-computes bitwise the same Δ. Bytes per round are the shared basis's at the same rank (same factor shapes),
+all-gather. The average is Δ = (1/C) Σ_c P_c Q_c^T (rank up to C·r; with unequal token weights each term
+scaled by C·w_c/Σw), summed in cluster order, so every cluster computes bitwise the same Δ. Bytes per round are the shared basis's at the same rank (same factor shapes),
 in one phase instead of two: one WAN round trip fewer. Error feedback stays local and exact:
 e_c = M_c − P_c Q_c^T with the factors as they were sent.
 """

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from megatron_dilocox.compression.layout import split_layout
-from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.config import PARALLEL_LAYOUT_ARGS, DiLoCoXConfig
 from megatron_dilocox.glue import checkpoints
 from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views
 from megatron_dilocox.metrics import MetricsWriter
@@ -60,11 +60,6 @@ def run_iters(args) -> Optional[int]:
     return args.train_samples // args.global_batch_size if getattr(args, "train_samples", None) else None
 
 
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-               "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-               "data_parallel_size", "use_distributed_optimizer")
-
-
 def fingerprint(cfg: DiLoCoXConfig, args, views, canonical=None) -> dict:
     """What every cluster must share, compared at rendezvous (differences are named). With the canonical exchange
     (``canonical``: its Layout) the parallel layout may differ: the model is compared instead, by its canonical
@@ -79,7 +74,7 @@ def fingerprint(cfg: DiLoCoXConfig, args, views, canonical=None) -> dict:
             "untie_embeddings_and_output_weights", "add_bias_linear", "num_experts", "moe_ffn_hidden_size",
             "moe_router_topk", "moe_layer_freq", "seq_length", "padded_vocab_size", "seed", "params_dtype",
             "optimizer")
-    fp = {k: str(getattr(args, k, None)) for k in keys if canonical is None or k not in LAYOUT_KEYS}
+    fp = {k: str(getattr(args, k, None)) for k in keys if canonical is None or k not in PARALLEL_LAYOUT_ARGS}
     # outer_lr_warmup_iters: the default follows each cluster's run length, and the outer step, which every
     # cluster takes itself, must not differ
     fp.update(dilocox=cfg.agreement_dict(), outer_lr_warmup_iters=cfg.resolved_outer_lr_warmup_iters(run_iters(args)),

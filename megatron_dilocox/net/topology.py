@@ -28,7 +28,7 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from megatron_dilocox.compression.collective import Collective
-from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.config import PARALLEL_LAYOUT_ARGS, DiLoCoXConfig
 from megatron_dilocox.net.membership import Heartbeat, Membership, PeerLostError
 from megatron_dilocox.net.rendezvous import CONNECT_GRACE, RendezvousError, authenticate, find_coordinator, listening
 from megatron_dilocox.net.rendezvous import mac as _mac
@@ -308,8 +308,7 @@ class InterClusterGroup(Collective):
                 time.sleep(0.05)
         if problems:
             hint = ""
-            if any(p.startswith(("tensor_model", "pipeline_model", "virtual_pipeline", "data_parallel",
-                                 "context_parallel", "expert_model", "expert_tensor", "use_distributed")) for p in problems):
+            if any(p.split(":", 1)[0] in PARALLEL_LAYOUT_ARGS for p in problems):
                 hint = (" (sites whose parallel layouts differ: start every site with --dilocox-exchange-layout "
                         "canonical)")
             raise RendezvousError(f"DiLoCoX rendezvous: clusters disagree (local rank {self.local_rank}): "

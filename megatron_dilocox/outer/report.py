@@ -27,7 +27,9 @@ def round_row(sync, r, exposed: float, h_used: int, rank_used: int) -> dict:
     sums = intra.reduce([r.bytes_sent, r.bytes_received, r.bytes_dense_fp32, r.pseudo_grad_norm ** 2,
                          r.compression_rel_error ** 2 * r.pseudo_grad_norm ** 2], "sum")
     maxes = intra.reduce([r.comm_seconds, exposed, r.transfer_seconds], "max")
-    hashes = intra.gather_str(sync.model_hash())
+    # one gather per row: each rank's hash of its φ and the clusters its groups repaired in this round
+    gathered = [g.split(";") for g in intra.gather_str(f"{sync.model_hash()};{','.join(map(str, r.repaired))}")]
+    hashes = [h for h, _ in gathered]
     solo = len(hashes) == 1
     return {
         "round": r.round, "fragment": sync.fragment, "iteration": sync.iteration, "launched_at": r.launched_at,
@@ -44,8 +46,7 @@ def round_row(sync, r, exposed: float, h_used: int, rank_used: int) -> dict:
         "global_model_hash": hashes[0] if solo else hashlib.sha256("".join(hashes).encode()).hexdigest()[:16],
         # this cluster's tokens in the round and its share of the average (codec: token weights)
         "tokens": r.tokens, "weight": r.tokens / sum(r.weights) if r.weights else 0.0,
-        "repaired": sorted({int(c) for rs in intra.gather_str(",".join(map(str, r.repaired)))
-                            for c in rs.split(",") if c}),
+        "repaired": sorted({int(c) for _, rs in gathered for c in rs.split(",") if c}),
     }
 
 
