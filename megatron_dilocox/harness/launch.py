@@ -106,6 +106,7 @@ class Clusters:
     def __init__(self, procs, logs, threads):
         self.procs, self.logs, self._threads = procs, logs, threads
         self._seen: list[dict] = [{} for _ in procs]  # per cluster: every process seen under it (psutil)
+        self._ranks: dict = {}  # (cluster, rank) -> the psutil process last seen with that RANK
 
     def _tree(self, cluster: int) -> list:
         """torchrun and all its descendants now (psutil processes); remembered for :meth:`stop`."""
@@ -129,6 +130,7 @@ class Clusters:
             try:
                 if child.ppid() == self.procs[cluster].pid and "RANK" in (env := child.environ()):
                     out[int(env["RANK"])] = child.pid
+                    self._ranks[(cluster, int(env["RANK"]))] = child
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
         return out
@@ -141,8 +143,10 @@ class Clusters:
             self._tree(cluster)
             self._signal_all(cluster, sig)
             return
+        known = self._ranks.get((cluster, rank))  # looked up before (rank_pids): no tree walk between cue and kill
+        pid = known.pid if known is not None and known.is_running() else None  # psutil: not a reused pid
         deadline = time.monotonic() + timeout
-        while (pid := self.rank_pids(cluster).get(rank)) is None:
+        while pid is None and (pid := self.rank_pids(cluster).get(rank)) is None:
             if time.monotonic() > deadline or self.procs[cluster].poll() is not None:
                 raise RuntimeError(f"cluster {cluster} has no rank {rank} to kill")
             time.sleep(0.05)
