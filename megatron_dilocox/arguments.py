@@ -40,7 +40,7 @@ def add_dilocox_args(parser: argparse.ArgumentParser, chain: Optional[Callable] 
     group = parser.add_argument_group("DiLoCoX", "decentralized training across clusters (megatron_dilocox)")
     group.add_argument("--dilocox", action="store_true", help="enable DiLoCoX (otherwise plain Megatron)")
     for f, base in _fields():
-        default = f.default
+        default = "auto" if base is bool and f.default is None else f.default
         text = f"{f.metadata.get('help', '')} (default: {default})"
         dest = "dilocox_" + f.name
         if base is bool:
@@ -84,6 +84,6 @@ def flag_table() -> str:
         name = f"`{flag_name(f.name)}`"
         if base is bool:
             name += f" / `{no_flag_name(f.name)}`"
-        rows.append(f"| {name} | {f.default} | {f.metadata.get('help', '')} |")
+        rows.append(f"| {name} | {'auto' if base is bool and f.default is None else f.default} | {f.metadata.get('help', '')} |")
     rows.append("| `$DILOCOX_SECRET` (environment) | – | shared secret, required with more than one cluster |")
     return "\n".join(rows)

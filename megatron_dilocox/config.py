@@ -79,12 +79,16 @@ class DiLoCoXConfig:
                                       "budget's whole rounds on a slow link)")
     adaptive_h: bool = knob(True, "raise H when the transfer takes longer than H inner steps")
     adaptive_h_margin: float = knob(0.1, "adaptive H keeps the transfer this fraction shorter than a round")
-    per_site_h: bool = knob(False, "sites of different speeds: the slowest site runs H steps per round and every "
-                                   "other site as many as fit in the same wall time (its own measured step time, "
-                                   "up to 4x H), weighted by its tokens; the run ends when the sites' tokens together "
-                                   "reach their planned total, and Megatron's LR schedule follows that total "
-                                   "(docs/algorithm.md#sites-of-different-speeds). Off: lockstep rounds, every "
-                                   "site H steps")
+    per_site_h: Optional[bool] = knob(None, "sites of different speeds: the slowest site runs H steps per round "
+                                            "and every other site as many as fit in the same wall time (its own "
+                                            "measured step time, up to 4x H), weighted by its tokens; the run ends "
+                                            "when the sites' tokens together reach their planned total, and "
+                                            "Megatron's LR schedule and evaluations follow that total. auto "
+                                            "(unset): on in Megatron wherever the run allows it (adaptive H, one "
+                                            "fragment, on-peer-failure stop, no --rampup-batch-size), else "
+                                            "lockstep, said in the log; off in the plain-PyTorch API "
+                                            "(docs/algorithm.md#sites-of-different-speeds). "
+                                            "--dilocox-no-per-site-h: lockstep rounds, every site H steps")
     overlap: str = knob("eager", "none (synchronous DiLoCo), one-step-delay or eager (both: the transfer hidden "
                                  "behind the next round, applied one round late; eager starts that round from a "
                                  "local proxy of the missing average)")

@@ -59,3 +59,28 @@ def test_main_job_passes_dilocox_flags_with_their_values():
                                         "--seed", "3", "--dilocox-outer-momentum", "0.3"])
     assert mine == ["--dilocox-outer-lr", "0.7", "--dilocox-no-adaptive-h", "--dilocox-outer-momentum", "0.3"]
     assert theirs == ["--lr", "1e-3", "--seed", "3"]
+
+
+def test_per_site_h_auto_resolves_from_the_run_and_says_why():
+    """--dilocox-per-site-h unset: on where the run allows it, else lockstep naming every reason; explicit kept;
+    the sample-based plan pins the LR schedule's length and makes room for 4x the samples."""
+    from types import SimpleNamespace
+
+    from megatron_dilocox.glue import per_site
+    run = dict(rampup_batch_size=None, train_iters=100, train_samples=None)
+    base = DiLoCoXConfig(num_clusters=2)
+    assert base.per_site_h is None and per_site.resolve(base, SimpleNamespace(**run))[0] is True
+    off, why = per_site.resolve(DiLoCoXConfig(num_clusters=2, adaptive_h=False, on_peer_failure="continue"),
+                                SimpleNamespace(**{**run, "rampup_batch_size": [8, 8, 100]}))
+    assert not off and why == ("lockstep, every site H steps (per-site H is off with --dilocox-no-adaptive-h, "
+                               "--dilocox-on-peer-failure continue, --rampup-batch-size)")
+    assert per_site.resolve(DiLoCoXConfig(num_clusters=2, per_site_h=False), SimpleNamespace(**run))[0] is False
+    assert per_site.resolve(DiLoCoXConfig(num_clusters=1), SimpleNamespace(**run))[0] is False
+    args = SimpleNamespace(rampup_batch_size=None, train_iters=None, train_samples=1000, global_batch_size=8,
+                           lr_decay_samples=None, eval_interval=25)
+    per_site.plan(args)
+    assert (args.dilocox_planned_iters, args.lr_decay_samples, args.train_samples, args.dilocox_eval_marks) == \
+        (125, 1000, 4000, 5)
+    assert per_site.run_iters(args) == 125
+    with pytest.raises(DiLoCoXConfigError, match="--dilocox-no-per-site-h"):
+        per_site.plan(SimpleNamespace(**{**run, "rampup_batch_size": [8, 8, 100]}))

@@ -203,7 +203,11 @@ def test_main_job_short(corpus, tmp_path):
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))[8:])
-    assert summary["clusters_agree"] and summary["rounds"] == 20 // 5
+    # per-site H (the default): each cluster's round is sized to its own step time and the run ends when the
+    # clusters' tokens reach 2 x 20 iterations' worth, within half a round; a faster cluster runs at most 4 x H
+    # per round, so 2 to 4 rounds of H = 5 (equal speeds: 4)
+    its = summary["iterations"]
+    assert summary["clusters_agree"] and 2 <= summary["rounds"] <= 4 and 40 - 10 <= sum(its) <= 40 + 10, summary
     # the link budget (default) sends the matrices whole in int4 on loopback, rounds 1-2 included (sized from the
     # link probe at start): 4 B / (0.5 B + a 4 B scale per 128) = 7.53x below dense fp32 less headers, and no
     # round sends more (the summary rounds to 0.1: 7.5)
@@ -218,8 +222,12 @@ def test_main_job_short(corpus, tmp_path):
     assert [c["validation"]["loss"][-1] for c in plotted] == summary["validation_loss"]
     assert [c["validation"]["final"][-1] for c in plotted] == [True, True]
     assert [[c["train"]["loss"][0], c["train"]["loss"][-1]] for c in plotted] == summary["train_loss_first_last"]
-    assert [c["validation"]["iteration"] for c in plotted] == [[10, 20, 20]] * 2  # --eval-interval 10, final
-    assert [c["train"]["tokens"][-1] for c in plotted] == [20 * 8 * 128] * 2  # iterations x global batch x seq
+    # --eval-interval 10 of 20 planned: evaluations at the run's half (and end) on both clusters, at the same
+    # round, then the final one: the same global model on the same validation batches, so the same loss
+    evals = [c["validation"]["iteration"] for c in plotted]
+    assert len(evals[0]) == len(evals[1]) in (2, 3) and [e[-1] for e in evals] == its, evals
+    assert [c["validation"]["loss"] for c in plotted][0] == [c["validation"]["loss"] for c in plotted][1]
+    assert [c["train"]["tokens"][-1] for c in plotted] == [i // 10 * 10 * 8 * 128 for i in its]  # logged every 10
 
 
 def test_evaluation_measures_the_global_model(corpus, tmp_path):

@@ -172,17 +172,22 @@ def learning_rates(log) -> dict:
 
 @pytest.mark.skipif(throttle.unavailable() is not None, reason=f"cgroup cpu quota: {throttle.unavailable()}")
 def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
-    """Site 1's processes in a cgroup at half a core's CPU quota, site 0 unthrottled, --dilocox-per-site-h: from
-    round 3 on the fast site runs more steps per round than the slow one (and weighs more), both end at the same
-    round once their tokens together reach the planned total (2 x 24 iterations x 8 x 128 tokens), the fast site
-    having trained more iterations than it was given, every round's hash equal; both sites' cosine LR schedules
-    follow the run's tokens, so they end at the same point of the schedule although their iteration counts
-    differ."""
+    """Site 1's processes in a cgroup at half a core's CPU quota, site 0 unthrottled, per-site H by default (no
+    --dilocox-per-site-h given: auto turns it on) and the run's length in samples (--train-samples, as Megatron's
+    large-run recipes give it): from round 3 on the fast site runs more steps per round than the slow one (and
+    weighs more), both end at the same round once their tokens together reach the planned total
+    (2 x 192 samples x 128 tokens), the fast site having trained more iterations than its 192 / 8 = 24, every
+    round's hash equal; both sites' cosine LR schedules follow the run's tokens, so they end at the same point of
+    the schedule although their iteration counts differ."""
     iters = 24
-    megatron = tiny_gpt_flags(corpus, iters, "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "3e-4")
-    dilocox = tiny_dilocox_flags(tmp_path, "--dilocox-adaptive-h", "--dilocox-per-site-h", "--dilocox-overlap", "none")
+    megatron = [a if a != "--train-iters" else "--train-samples" for a in tiny_gpt_flags(corpus, iters)]
+    megatron[megatron.index("--train-samples") + 1] = str(iters * 8)
+    megatron += ["--lr-decay-style", "cosine", "--lr-warmup-samples", "16", "--min-lr", "3e-4"]
+    dilocox = tiny_dilocox_flags(tmp_path, "--dilocox-adaptive-h", "--dilocox-overlap", "none")
     with throttle.cpu_quota(f"dilocox_test_{os.getpid()}", 0.5) as slow:
         codes, logs = run_on_cpu(2, 1, megatron, dilocox, prefix_by_cluster={1: slow}, timeout=600)
+    for log in logs:
+        assert any("DiLoCoX rounds: per-site H: each site's round" in line for line in log.lines), failure_report([log])
     assert codes == [0, 0], failure_report(logs)
     rows = rows_of(tmp_path, 2)
     fast, slow = rows

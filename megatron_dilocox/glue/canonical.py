@@ -290,6 +290,11 @@ class CanonicalSite:
         self.run_complete = bool(vals[1])
         self._shared, self._shared_at = dict(zip(fields, vals[2:])), self.iteration
 
+    def boundary_progress(self) -> Optional[float]:
+        if self.sync is not None:
+            return self.sync.boundary_progress()
+        return budget.boundary_progress(types.SimpleNamespace(**self._shared)) if self._shared else None
+
     def progress(self) -> Optional[float]:
         if self.sync is not None:
             return self.sync.progress()

@@ -38,7 +38,8 @@ import torch
 
 from megatron_dilocox.compression.layout import split_layout
 from megatron_dilocox.config import PARALLEL_LAYOUT_ARGS, DiLoCoXConfig
-from megatron_dilocox.glue import checkpoints
+from megatron_dilocox.glue import checkpoints, per_site
+from megatron_dilocox.glue.per_site import run_iters
 from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
@@ -48,16 +49,6 @@ from megatron_dilocox.net.topology import InterClusterGroup, connect_store
 
 log = logging.getLogger("megatron_dilocox")
 STATE_KEY = "dilocox"
-
-
-def run_iters(args) -> Optional[int]:
-    """The run's length in iterations; sample-based runs (--train-samples) get args.train_iters from Megatron
-    only after the optimizer is built. (--dilocox-per-site-h: the planned length, see plan_per_site.)"""
-    if getattr(args, "dilocox_planned_iters", None):
-        return args.dilocox_planned_iters
-    if getattr(args, "train_iters", None):
-        return args.train_iters
-    return args.train_samples // args.global_batch_size if getattr(args, "train_samples", None) else None
 
 
 def fingerprint(cfg: DiLoCoXConfig, args, views, canonical=None) -> dict:
@@ -94,6 +85,7 @@ class DiLoCoXOptimizer:
         self.inner = inner
         self.cfg = cfg
         self.train_iters = getattr(args, "train_iters", None)
+        self.evals_done: Optional[int] = None  # per-site H: evaluation marks of the run passed so far
         self.scheduler = None  # Megatron's LR scheduler (set by setup_model_and_optimizer below)
         # each round's weight in the average (--dilocox-token-weights): the samples x tokens this site trains per step
         self.tokens_per_step = float(args.global_batch_size * args.seq_length)
@@ -120,7 +112,7 @@ class DiLoCoXOptimizer:
             checkpoints.agree_on_resume_iteration(cfg, args, group, intra)  # before Megatron loads
         metrics = MetricsWriter(cfg.metrics_file if intra.is_writer else None)
         self.sync = make_sync(views, cfg, group, intra, metrics, train_iters=run_iters(args))
-        self._plan_tokens(args)
+        per_site.plan_tokens(self, args)
         with torch.no_grad():
             self.sync.start()  # every cluster starts from cluster 0's model
             self._refresh_model_params()
@@ -146,7 +138,7 @@ class DiLoCoXOptimizer:
         self.view_kinds = ["dense"] * len(layout.views)
         self.sync = canonical.CanonicalSite(layout, cfg, group, cfg.metrics_file if rank == 0 else None,
                                             run_iters(args))
-        self._plan_tokens(args)
+        per_site.plan_tokens(self, args)
         with torch.no_grad():
             self.sync.start()  # every site starts from cluster 0's model
             self._refresh_model_params()
@@ -168,13 +160,17 @@ class DiLoCoXOptimizer:
 
     # ------------------------------------------------------------------------------------ training
     def step(self):
+        if self.train_iters is None:  # --train-samples: Megatron derives train_iters after building the optimizer
+            from megatron.training import get_args
+            self.train_iters = get_args().train_iters
         success, grad_norm, num_zeros = self.inner.step()
         seen = len(self.sync.rows)
         if success and self.sync.after_inner_step(tokens=self.tokens_per_step):
             with torch.no_grad():
                 self._refresh_model_params()
         if success and self.cfg.per_site_h:
-            self._follow_the_run()
+            per_site.follow_the_run(self)
+            per_site.evaluate_with_the_run(self)
         if success and self.sync.iteration == self.train_iters:
             self.finalize()  # before Megatron's final evaluation and checkpoint
         if self.sync.stopped:
@@ -183,27 +179,6 @@ class DiLoCoXOptimizer:
         for row in self.sync.rows[seen:]:
             log_row_to_megatron_writers(row)
         return success, grad_norm, num_zeros
-
-    def _plan_tokens(self, args):
-        """--dilocox-per-site-h: this site's planned tokens for the run, before the sites add theirs up at start."""
-        core = getattr(self.sync, "sync", self.sync)  # (canonical: rank 0's sync; None on the other ranks)
-        if self.cfg.per_site_h and core is not None:
-            core.tokens_per_step = self.tokens_per_step
-            core.token_budget = run_iters(args) * self.tokens_per_step
-
-    def _follow_the_run(self):
-        """--dilocox-per-site-h: Megatron's LR schedule at the run's progress in tokens (outer/budget.py), not at
-        this site's own iterations; and the loop ends where the run does (every site at the same round)."""
-        from megatron.training import get_args
-        args = get_args()
-        progress = self.sync.progress()
-        if progress is not None and self.scheduler is not None:  # Megatron steps it by one batch after this
-            self.scheduler.num_steps = max(0, int(progress * run_iters(args) * args.global_batch_size)
-                                           - args.global_batch_size)
-        if self.sync.run_complete and self.sync.iteration < self.train_iters:
-            log.info("DiLoCoX: the sites' tokens reach the run's total: this site ends at iteration %d",
-                     self.sync.iteration)
-            self.train_iters = args.train_iters = self.sync.iteration
 
     def _refresh_model_params(self, broadcast: bool = True, force_gather: bool = False):
         """Model params <- main params (and, round-robin, the owners' views to every DP rank; with
@@ -400,27 +375,10 @@ def install_from_args(args):
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+    cfg.per_site_h, why = per_site.resolve(cfg, args)
+    log.info("DiLoCoX rounds: %s", why)
     args.dilocox_config = cfg.public_dict()  # shows in Megatron's argument dump / wandb config, no secret
     if cfg.per_site_h:
-        plan_per_site(args)
+        per_site.plan(args)
     install(cfg, args)
     return cfg
-
-
-def plan_per_site(args):
-    """--dilocox-per-site-h, before Megatron builds the scheduler and the datasets: --train-iters is this site's
-    plan (its tokens count towards the run's total, outer/budget.py), the LR schedule keeps that length
-    (--lr-decay-iters), and the data and the loop get room for up to MAX_SPEED_RATIO x as many iterations: a fast
-    site runs more steps per round and the run ends when the sites' tokens reach the total."""
-    import math
-
-    from megatron_dilocox.config import DiLoCoXConfigError
-    from megatron_dilocox.outer.plan import MAX_SPEED_RATIO
-    if getattr(args, "train_samples", None) or not getattr(args, "train_iters", None):
-        raise DiLoCoXConfigError("--dilocox-per-site-h: give the run's length as --train-iters (not --train-samples)")
-    if getattr(args, "rampup_batch_size", None):
-        raise DiLoCoXConfigError("--dilocox-per-site-h does not support --rampup-batch-size")
-    args.dilocox_planned_iters = args.train_iters
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    args.train_iters = math.ceil(args.train_iters * MAX_SPEED_RATIO)

@@ -24,6 +24,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # megatron_dilocox/harness/ -> repo
 
 
+def iterations_run(curve: dict, log) -> int:
+    """A cluster's iterations: where Megatron's final evaluation says it ended (per-site H ends a fast site past
+    --train-iters, a slow one before it; the training loss is printed only every --log-interval)."""
+    valid = curve["validation"]
+    return valid["iteration"][-1] if valid["final"] and valid["final"][-1] else log.last_iteration
+
+
 def gpt_flags(corpus: str, iters: int, tp: int, pp: int, eval_interval: int | None = None) -> list[str]:
     """The small GPT's Megatron flags. Evaluation once at the end by default; the main job asks for a few
     more (``eval_interval``) so that its picture has a validation curve."""
@@ -107,7 +114,7 @@ def main(argv=None):
         tokens_per_s += log.global_batch * seq_length / (sum(steady) / len(steady) / 1000.0)
     curves = plot.series(logs, seq_length)  # the SUMMARY's losses are the plotted ones
     summary = {
-        "clusters": a.clusters, "layout": f"TP{a.tp} PP{a.pp}", "iterations": a.iters,
+        "clusters": a.clusters, "layout": f"TP{a.tp} PP{a.pp}", "iterations": [iterations_run(c, log) for c, log in zip(curves["clusters"], logs)],
         "validation_loss": [c["validation"]["loss"][-1] if c["validation"]["loss"] else None
                             for c in curves["clusters"]],
         "train_loss_first_last": [[c["train"]["loss"][0], c["train"]["loss"][-1]] for c in curves["clusters"]],
@@ -118,13 +125,15 @@ def main(argv=None):
         "final_H": last[0]["next_H"], "final_rank": last[0]["next_lowrank_rank"],
         "exposed_comm_seconds": round(sum(r["exposed_comm_seconds"] for r in rows), 3),
         "comm_seconds": round(sum(r["comm_seconds"] for r in rows), 3),
-        "clusters_agree": len({last[c]["global_model_hash"] for c in last}) == 1,
+        "clusters_agree": all(len({r["global_model_hash"] for r in rows if r["round"] == k}) == 1
+                              for k in {r["round"] for r in rows}),  # every round, not only the last
         "wall_seconds": round(time.time() - t0, 1), "metrics": out,
     }
     summary["bytes_ratio_dense_over_sent"] = round(summary["bytes_dense_fp32"] / max(1, summary["bytes_sent"]), 1)
     sent = f"rank {summary['final_rank']}" if summary["final_rank"] else "whole tensors"  # rank 0: not low-rank
     summary["plot"] = plot.write(curves, out, (
-        f"DiLoCoX main job: {a.clusters} clusters, {summary['layout']}, {a.iters} iterations, "
+        f"DiLoCoX main job: {a.clusters} clusters, {summary['layout']}, "
+        f"{' + '.join(map(str, summary['iterations']))} iterations, "
         f"{summary['rounds']} rounds (final H {summary['final_H']}, {sent})\n"
         f"{summary['bytes_ratio_dense_over_sent']}x fewer bytes between clusters than a dense fp32 all-reduce; "
         f"final validation loss {summary['validation_loss'][0]}"))

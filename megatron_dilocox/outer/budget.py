@@ -57,3 +57,11 @@ def progress(sync) -> Optional[float]:
         return min(1.0, sync.iteration * sync.tokens_per_step / max(sync.token_budget, 1e-30))
     within = min(1.0, sync.steps_in_round / max(sync.h, 1)) * sync.last_round_global
     return min(1.0, (sync.projected + within) / sync.budget_total)
+
+
+def boundary_progress(sync) -> Optional[float]:
+    """The run's fraction at the last boundary (applied + in flight): the same number on every site after the
+    same round, so decisions taken on it (the glue's evaluation points) agree everywhere."""
+    if sync.budget_total <= 0:
+        return None
+    return min(1.0, sync.projected / sync.budget_total)

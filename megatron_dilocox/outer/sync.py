@@ -368,6 +368,9 @@ class DiLoCoXSync:
         """--dilocox-per-site-h: the run's fraction trained so far (budget.py); None otherwise."""
         return budget.progress(self)
 
+    def boundary_progress(self) -> Optional[float]:
+        return budget.boundary_progress(self)
+
     def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
         """φ ← Outer(φ, Δ) at the outer lr of the round's start iteration (config.outer_lr_at), then the next
         round's plan."""

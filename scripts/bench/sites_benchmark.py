@@ -8,16 +8,15 @@ In one invocation per corpus:
   alone_slow   one site alone at the quota, plain Megatron
   isolated     both sites at once, each plain Megatron on its own (no DiLoCoX, nobody waits): each at its own
                speed on the shared host, the throughput per-site H is measured against
-  unthrottled  both sites unthrottled, lockstep rounds: the baseline for the loss
+  unthrottled  both sites unthrottled, lockstep rounds (--dilocox-no-per-site-h): the baseline for the loss
   lockstep     site 1 at the quota, lockstep rounds (every site H steps: the fast one waits)
-  per_site     site 1 at the quota, --dilocox-per-site-h
+  per_site     site 1 at the quota, the default: per-site H
 
 Speeds come from Megatron's own "elapsed time per iteration" (the DiLoCoX hook, and any wait at a boundary, is
 inside it), after the first logged interval: a site's tokens/s is 8 x 128 / its mean iteration time, a run's the
 sum over its sites. The fast site's wait is the sum of its rows' exposed_comm_seconds over its training time.
 The validation loss is the global model's, evaluated once, at the end, on the same 40 x 8 validation samples in
-every run (no periodic evaluation: each evaluation reads the next samples, so a site that passed an
---eval-interval more would score another slice). Targets (issue 35): per_site's fast site waits at most 5% of its
+every run (no periodic evaluation, so that the lockstep runs too read the same samples). Targets (issue 35): per_site's fast site waits at most 5% of its
 time; per_site's tokens/s >= 0.9 x the sum of each site training alone (isolated: both at once, as the host is
 shared; the idle-host figures are printed beside); per_site's final loss within 1% of unthrottled's.
 
@@ -47,6 +46,7 @@ from megatron_dilocox.metrics import read_rows  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 TOKENS_PER_STEP = 8 * 128
+LOCKSTEP = "--dilocox-no-per-site-h"  # today's rounds, every site H steps (per-site H is the default)
 EVAL = ["--log-interval", "10", "--eval-interval", "1000000", "--eval-iters", "40"]  # one evaluation, at the end
 
 
@@ -127,9 +127,9 @@ def main(argv=None):
             r["alone_fast"] = run_alone(data, a.alone_iters, None, out)
             r["alone_slow"] = run_alone(data, a.alone_iters, slow, out)
             r["isolated"] = run_isolated(data, 2 * a.alone_iters, slow)
-            r["unthrottled"] = run_pair("unthrottled", data, a.iters, [], None, out)
-            r["lockstep"] = run_pair("lockstep", data, a.iters, [], slow, out)
-            r["per_site"] = run_pair("per_site", data, a.iters, ["--dilocox-per-site-h"], slow, out)
+            r["unthrottled"] = run_pair("unthrottled", data, a.iters, [LOCKSTEP], None, out)
+            r["lockstep"] = run_pair("lockstep", data, a.iters, [LOCKSTEP], slow, out)
+            r["per_site"] = run_pair("per_site", data, a.iters, [], slow, out)  # the default: per-site H
         alone = r["isolated"]["tokens_per_s"]
         idle = r["alone_fast"]["tokens_per_s"] + r["alone_slow"]["tokens_per_s"]
         base = r["unthrottled"]["validation_loss"][0]

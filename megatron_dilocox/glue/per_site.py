@@ -1,0 +1,119 @@
+"""Per-site H in Megatron (docs/algorithm.md#sites-of-different-speeds): whether a run gets it, the site's plan
+before Megatron builds its scheduler and data, and, every step, Megatron's LR schedule, loop end and periodic
+evaluation moved from this site's iterations to the run's progress in tokens (outer/budget.py), so that every site
+ends at the same round, at the same point of its schedule, having evaluated the same global model as often.
+
+``opt`` below is the glue's DiLoCoXOptimizer (glue/seam.py)."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+from megatron_dilocox.config import DiLoCoXConfigError
+from megatron_dilocox.outer.plan import MAX_SPEED_RATIO
+
+log = logging.getLogger("megatron_dilocox")
+NEVER = 1 << 62  # an --eval-interval no iteration reaches
+
+
+def run_iters(args) -> Optional[int]:
+    """The run's length in iterations (per-site H: this site's plan); sample-based runs (--train-samples) get
+    args.train_iters from Megatron only after the optimizer is built."""
+    if getattr(args, "dilocox_planned_iters", None):
+        return args.dilocox_planned_iters
+    if getattr(args, "train_iters", None):
+        return args.train_iters
+    return args.train_samples // args.global_batch_size if getattr(args, "train_samples", None) else None
+
+
+def resolve(cfg, args) -> tuple[bool, str]:
+    """--dilocox-per-site-h unset (auto): per-site H wherever the run allows it, so that a slower site does not
+    make the others wait by default; lockstep where it does not, saying why (the reason is one line in the log).
+    Explicit on/off is kept; explicit on with what it cannot take was refused by the config already."""
+    if cfg.per_site_h is not None:
+        return cfg.per_site_h, ("per-site H (--dilocox-per-site-h)" if cfg.per_site_h
+                                else "lockstep, every site H steps (--dilocox-no-per-site-h)")
+    blockers = [why for cond, why in (
+        (cfg.num_clusters < 2, "one cluster"),
+        (not cfg.adaptive_h, "--dilocox-no-adaptive-h"),
+        (cfg.fragments > 1, "--dilocox-fragments > 1"),
+        (cfg.on_peer_failure != "stop", f"--dilocox-on-peer-failure {cfg.on_peer_failure}"),
+        (bool(getattr(args, "rampup_batch_size", None)), "--rampup-batch-size"),
+        (not (getattr(args, "train_iters", None) or getattr(args, "train_samples", None)), "no run length"),
+    ) if cond]
+    if blockers:
+        return False, f"lockstep, every site H steps (per-site H is off with {', '.join(blockers)})"
+    return True, ("per-site H: each site's round sized to its own step time, the run ended at the sites' token "
+                  "total (--dilocox-no-per-site-h: lockstep)")
+
+
+def plan(args):
+    """Per-site H, before Megatron builds the scheduler and the datasets: --train-iters is this site's
+    plan (its tokens count towards the run's total, outer/budget.py), the LR schedule keeps that length
+    (--lr-decay-iters), and the data and the loop get room for up to MAX_SPEED_RATIO x as many iterations: a fast
+    site runs more steps per round and the run ends when the sites' tokens reach the total."""
+    if getattr(args, "rampup_batch_size", None):
+        raise DiLoCoXConfigError("--dilocox-per-site-h does not support --rampup-batch-size "
+                                 "(add --dilocox-no-per-site-h for lockstep rounds)")
+    if getattr(args, "train_samples", None):  # Megatron's sample-based run: the same plan, counted in samples
+        args.dilocox_planned_iters = args.train_samples // args.global_batch_size
+        args.dilocox_eval_marks = args.dilocox_planned_iters // args.eval_interval if args.eval_interval else 0
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+        args.train_samples = math.ceil(args.train_samples * MAX_SPEED_RATIO)
+        return
+    if not getattr(args, "train_iters", None):
+        raise DiLoCoXConfigError("--dilocox-per-site-h: give the run's length (--train-iters or --train-samples)")
+    args.dilocox_planned_iters = args.train_iters
+    args.dilocox_eval_marks = args.train_iters // args.eval_interval if args.eval_interval else 0
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    args.train_iters = math.ceil(args.train_iters * MAX_SPEED_RATIO)
+
+
+def plan_tokens(opt, args):
+    """--dilocox-per-site-h: this site's planned tokens for the run, before the sites add theirs up at start."""
+    core = getattr(opt.sync, "sync", opt.sync)  # (canonical: rank 0's sync; None on the other ranks)
+    if opt.cfg.per_site_h and core is not None:
+        core.tokens_per_step = opt.tokens_per_step
+        core.token_budget = run_iters(args) * opt.tokens_per_step
+
+
+def follow_the_run(opt):
+    """--dilocox-per-site-h: Megatron's LR schedule at the run's progress in tokens (outer/budget.py), not at
+    this site's own iterations; and the loop ends where the run does (every site at the same round)."""
+    from megatron.training import get_args
+    args = get_args()
+    progress = opt.sync.progress()
+    if progress is not None and opt.scheduler is not None:  # Megatron steps it by one batch after this
+        opt.scheduler.num_steps = max(0, int(progress * run_iters(args) * args.global_batch_size)
+                                       - args.global_batch_size)
+    if opt.sync.run_complete and opt.sync.iteration < opt.train_iters:
+        log.info("DiLoCoX: the sites' tokens reach the run's total: this site ends at iteration %d",
+                 opt.sync.iteration)
+        opt.train_iters = args.train_iters = opt.sync.iteration
+
+
+def evaluate_with_the_run(opt):
+    """--dilocox-per-site-h: Megatron's periodic evaluation (--eval-interval of the planned iterations) at the
+    same points of the *run* on every site: at the first round boundary whose projected tokens pass the next
+    k / (planned iterations // --eval-interval) of the total, decided from numbers every site shares. So every
+    site evaluates the same global model the same number of times, reading the same validation batches, and
+    the final evaluations agree (at a site's own iterations, a fast site would evaluate more often and read
+    further into the validation set)."""
+    from megatron.training import get_args
+    args = get_args()
+    marks = getattr(args, "dilocox_eval_marks", 0)
+    if not marks:
+        return
+    at = opt.sync.boundary_progress()
+    due = int(at * marks + 1e-9) if at is not None else 0
+    if opt.evals_done is None:
+        opt.evals_done = due  # (a resumed run: the marks passed before its checkpoint)
+    if due > opt.evals_done:
+        opt.evals_done = due
+        args.eval_interval = opt.sync.iteration  # Megatron evaluates when iteration % eval_interval == 0
+    else:
+        args.eval_interval = NEVER
+
