@@ -78,6 +78,42 @@ def test_two_layouts_exact_token_weighted_average(corpus, tmp_path):
     assert v0 == pytest.approx(v1, rel=1e-4) and v0 < 8.0
 
 
+def test_two_layouts_int4_average_within_the_quantization_bound(corpus, tmp_path):
+    """The same two layouts and weights with int4 blocks (no low rank): round 1's applied average (error feedback
+    still zero) against a float64 reference of the sites' whole pseudo-gradients δ_c = φ₀ − θ_c in canonical
+    layout: |φ₁ − (φ₀ − Σ w_c δ_c)| ≤ Σ w_c · absmax(δ_c over its tensor) / (2 · 7) per element (the int4 bound
+    of compression/quantize.py, each block's absmax at most its tensor's) plus fp32 rounding; the error is not
+    zero (the payload really was quantized) and its RMS is below a tenth of the average's; every round's hash
+    equal; bytes per round the codec's closed form on both sites."""
+    dump = tmp_path / "dump"
+    codes, logs = run_on_cpu(2, 1, tiny_gpt_flags(corpus, 8),
+                             tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-overlap", "none", "--dilocox-no-lowrank",
+                                                "--dilocox-outer-lr", "1.0", "--dilocox-outer-momentum", "0",
+                                                "--dilocox-outer-lr-warmup-iters", "0"),
+                             per_cluster_args={1: ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"]},
+                             nproc_by_cluster={1: 2}, env={"DILOCOX_DUMP_ROUNDS": str(dump)}, timeout=420)
+    assert codes == [0, 0], failure_report(logs)
+    rows = rows_of(tmp_path, 2)
+    assert [r["round"] for r in rows[0]] == [1, 2]
+    d0, d1 = (torch.load(dump / f"c{c}_it4.pt") for c in range(2))
+    assert torch.equal(d0["phi_before"], d1["phi_before"]) and torch.equal(d0["phi"], d1["phi"])
+    phi0, weights = d0["phi_before"].double(), (1 / 3, 2 / 3)
+    deltas = [phi0 - d["theta"].double() for d in (d0, d1)]
+    ref = phi0 - sum(w * d for w, d in zip(weights, deltas))
+    sizes = [torch.Size(shape).numel() for _, _, shape in d0["units"]]
+    bound = sum(w * torch.cat([piece.abs().max().expand(piece.numel()) for piece in torch.split(d, sizes)])
+                for w, d in zip(weights, deltas)) / (2 * 7)
+    err = (d0["phi"].double() - ref).abs()
+    assert bool((err <= bound + 8 * 2.0 ** -23 * ref.abs().max()).all()), float((err - bound).max())
+    avg = sum(w * d for w, d in zip(weights, deltas))
+    assert 0 < float(err.norm()) < 0.1 * float(avg.norm()), (float(err.norm()), float(avg.norm()))
+    closed = [max(json.loads(line.split("DiLoCoX layout ", 1)[1])["round_bytes"] for line in log.lines
+                  if "DiLoCoX layout {" in line) for log in logs]  # (site 1's rank 1 exchanges nothing)
+    assert closed[0] == closed[1] and all(r["bytes_sent"] == closed[0] for rs in rows for r in rs), closed
+    print(f"SITES int4 round 1: max err / bound {float((err / bound.clamp_min(1e-30)).max()):.3f}, RMS err / RMS "
+          f"average {float(err.norm() / avg.norm()):.4f}, {closed[0]} B per round per site, {sum(sizes)} values")
+
+
 def test_three_sites_three_layouts_compressed(corpus, tmp_path):
     """TP1 PP1 (one process), TP2 (two: QKV of grouped-query attention and SwiGLU's fc1 split over TP), and DP2
     with the distributed optimizer (two: flat shards), meeting at a standalone coordinator: the defaults' int4

@@ -269,10 +269,10 @@ class CanonicalSite:
             return False
         self._gather()
         if s is not None:
-            before = self.theta.clone() if DUMP_ENV in os.environ else None
+            before = (self.theta.clone(), self._phi()) if DUMP_ENV in os.environ else None
             s.after_inner_step(tokens=tokens)
             if before is not None:
-                self._dump(before)
+                self._dump(*before)
         self._scatter()
         self._after_change()
         return True
@@ -304,14 +304,16 @@ class CanonicalSite:
                                      steps_in_round=self._shared["steps_in_round"] + self.iteration - self._shared_at)
         return budget.progress(view)
 
-    def _dump(self, theta_before: torch.Tensor):
-        """$DILOCOX_DUMP_ROUNDS=DIR (an audit aid; the tests' float64 reference reads it): θ as gathered before the
-        step's hook and φ after it, canonical layout, one file per changing step."""
-        anchor = torch.cat([a.reshape(-1) for a in self.sync.global_params()])
+    def _phi(self) -> torch.Tensor:
+        return torch.cat([a.reshape(-1) for a in self.sync.global_params()]).clone()
+
+    def _dump(self, theta_before: torch.Tensor, phi_before: torch.Tensor):
+        """$DILOCOX_DUMP_ROUNDS=DIR (an audit aid; the tests' float64 reference reads it): θ and φ as they were
+        before the step's hook and φ after it, canonical layout, one file per changing step."""
         path = os.path.join(os.environ[DUMP_ENV], f"c{self.cfg.cluster_id}_it{self.iteration}.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save({"iteration": self.iteration, "rounds": len(self.sync.rows), "theta": theta_before,
-                    "phi": anchor.clone(), "units": self.layout.units}, path)
+                    "phi_before": phi_before, "phi": self._phi(), "units": self.layout.units}, path)
 
     def finalize(self):
         self._gather()
