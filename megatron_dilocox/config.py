@@ -19,6 +19,7 @@ OUTER_STATE_DEVICES = ("cpu", "param")
 PEER_FAILURE_POLICIES = ("stop", "continue")
 COORDINATOR_MODES = ("embedded", "standalone")
 EXCHANGE_LAYOUTS = ("local", "canonical")
+EXCHANGE_SCHEMES = ("auto", "all-gather", "reduce-scatter")
 # Megatron's parallel-layout arguments: what --dilocox-exchange-layout canonical lets sites differ in (the glue's
 # fingerprint leaves them out then; the rendezvous names the flag when only they differ)
 PARALLEL_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -161,6 +162,15 @@ class DiLoCoXConfig:
     quant_bits: int = knob(4, "bits per transmitted value: 1 (sign x block mean |x|), 4, 8, 16 (bf16) or 32 (no quantization)")
     quant_block_size: int = knob(128, "values per quantization block (one fp32 scale each)")
     seed: int = knob(1234, "seed shared by all clusters (warm-start Q)")
+    exchange_scheme: str = knob("auto", "how summable payloads travel between clusters: reduce-scatter then "
+                                        "all-gather of quantized chunks (each cluster sends about 2(C-1)/C of its "
+                                        "payload, the average quantized once more by its chunk's owner) or "
+                                        "all-gather ((C-1)x its payload); auto: reduce-scatter from 3 clusters on "
+                                        "(docs/algorithm.md#reduce-scatter-exchange)")
+    payload_auth: bool = knob(True, "an HMAC-SHA256 tag (key from the shared secret, per session and group epoch) "
+                                    "on every message between clusters; a message that does not verify is refused, "
+                                    "naming its sender and round, and the sender is lost for that round "
+                                    "(docs/security.md#authenticated-payloads)")
     token_weights: bool = knob(True, "weigh each cluster's pseudo-gradient in the average by the tokens it trained "
                                      "on in the round (its steps x its tokens per step, carried in the round's "
                                      "header); --dilocox-no-token-weights: equal weights (docs/algorithm.md#weights)")
@@ -360,6 +370,8 @@ class DiLoCoXConfig:
                 fail("per_site_h", "needs --dilocox-fragments 1")
             if self.on_peer_failure == "continue":
                 fail("per_site_h", "needs --dilocox-on-peer-failure stop (the run's token total counts every site)")
+        if self.exchange_scheme not in EXCHANGE_SCHEMES:
+            fail("exchange_scheme", f"must be one of {', '.join(EXCHANGE_SCHEMES)}, got {self.exchange_scheme!r}")
         if self.exchange_layout not in EXCHANGE_LAYOUTS:
             fail("exchange_layout", f"must be one of {', '.join(EXCHANGE_LAYOUTS)}, got {self.exchange_layout!r}")
         return self

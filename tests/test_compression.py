@@ -140,6 +140,7 @@ def test_codec_state_roundtrip():
 
 
 def test_default_rank_ceiling_is_4x_rank_capped_by_the_matrix_and_by_the_byte_budget():
+    from megatron_dilocox.compression.auth import TAG_BYTES
     from megatron_dilocox.compression.codec import HEADER_BYTES
     from megatron_dilocox.compression.collective import dense_allreduce_bytes
     from megatron_dilocox.compression.quantize import payload_bytes
@@ -151,7 +152,8 @@ def test_default_rank_ceiling_is_4x_rank_capped_by_the_matrix_and_by_the_byte_bu
     shape, C, ratio = (512, 384), 2, 300.0
     codec = PseudoGradientCodec([shape], DiLoCoXConfig(lowrank_rank=2, lowrank_min_dim=8, quant_bits=4,
                                                        quant_block_size=64, num_clusters=C, min_compression=ratio))
-    sent = lambda r: HEADER_BYTES + payload_bytes(512 * r, 4, 64) + payload_bytes(384 * r, 4, 64) + 4 * (r + 1)  # noqa
+    # (the header and the payload are one message each, each with its authentication tag)
+    sent = lambda r: HEADER_BYTES + payload_bytes(512 * r, 4, 64) + payload_bytes(384 * r, 4, 64) + 4 * (r + 1) + 2 * TAG_BYTES  # noqa
     budget = dense_allreduce_bytes(512 * 384, C) / ratio
     expected = max(r for r in range(2, 9) if sent(r) <= budget)
     assert codec.rank_cap == expected and 2 < expected < 8
@@ -210,10 +212,13 @@ def test_local_basis_error_feedback_is_exact_and_bytes_are_the_shared_closed_for
         sent_sum += local.exchange([delta], SoloCollective(), t).deltas[0]
     assert torch.allclose(sent_sum + local.error[0], true_sum, atol=1e-5)
     assert local.payload_sizes() == shared.payload_sizes()
+    from megatron_dilocox.compression.auth import TAG_BYTES
     from megatron_dilocox.compression.codec import HEADER_BYTES
-    for C in (2, 3, 5):  # fp32 factors are all-gathered too (the shared basis all-reduces them)
-        assert local.round_bytes(rank, C) == (C - 1) * (HEADER_BYTES + sum(local.payload_sizes()))
-        assert local.round_bytes(rank, C) == shared.round_bytes(rank, C) or bits == 32
+    for C in (2, 3, 5):  # fp32 factors are all-gathered too; two messages (header, payload), each tagged
+        assert local.round_bytes(rank, C) == (C - 1) * (HEADER_BYTES + sum(local.payload_sizes()) + 2 * TAG_BYTES)
+        # the shared basis's factors can be summed: at C = 2 the same bytes (in two phases: one tag more)
+        if C == 2 and bits != 32:
+            assert shared.round_bytes(rank, C) == local.round_bytes(rank, C) + (C - 1) * TAG_BYTES
     assert local.layout_hash != shared.layout_hash  # a mixed run is refused at the header
 
 
@@ -242,15 +247,21 @@ def test_rank_zero_sends_the_matrices_whole_and_error_feedback_stays_exact_acros
     """Rank 0 (the link budget's "whole"): Δ is the (quantized) M itself, e = M − sent, the bytes are the
     closed form of whole slabs; switching low rank → whole → low rank keeps Σ sent + e = Σ true and keeps Q
     (the warm start) through the whole rounds."""
+    from megatron_dilocox.compression.auth import TAG_BYTES
     from megatron_dilocox.compression.codec import HEADER_BYTES
     from megatron_dilocox.compression.quantize import dequantize, payload_bytes, quantize
+    from megatron_dilocox.compression.scatter import sent_bytes
     n, m, rank = 64, 48, 3
     codec = codec_for((n, m), rank, bits=bits)
     assert codec.payload_sizes(0) == (payload_bytes(n * m, bits, 64), 0)
-    for C in (2, 3):
-        assert codec.round_bytes(0, C) == (
-            (C - 1) * (HEADER_BYTES + payload_bytes(n * m, bits, 64)) if bits != 32
-            else (C - 1) * HEADER_BYTES + 2 * (C - 1) * 4 * n * m // C)  # fp32: the header, then an all-reduce
+    for C in (2, 3):  # the header, then the slab: all-gathered (1 bit; int4 at C = 2) or reduce-scattered and
+        # all-gathered (int4 from C = 3; fp32, whose all-reduce could not carry the senders' tags), tags on each
+        header = (C - 1) * (HEADER_BYTES + TAG_BYTES)
+        scatter = bits == 32 or (bits == 4 and C > 2)
+        assert codec.round_bytes(0, C) == header + (sent_bytes([n * m], C, 0, bits, 64, True) if scatter
+                                                   else (C - 1) * (payload_bytes(n * m, bits, 64) + TAG_BYTES))
+        if bits == 32:  # exact fp32 reduce-scatter: the ring all-reduce's 2 (C-1)/C of the payload, plus tags
+            assert codec.round_bytes(0, C) == header + 2 * (C - 1) * 4 * n * m // C + 2 * (C - 1) * TAG_BYTES
     at_rank_3 = codec.round_bytes(3, 2)
     codec.set_rank(0, 1)
     assert codec.round_bytes(3, 2) == at_rank_3  # the closed form of a rank does not depend on the rank in use

@@ -70,6 +70,7 @@ def test_degraded_link_h_rises_exposure_bounded_h_returns(wan, kjv, tmp_path):
     dilocox = ["--dilocox-h", str(H_MIN), "--dilocox-h-min", str(H_MIN), "--dilocox-h-max", str(H_MAX),
                "--dilocox-overlap", "one-step-delay", "--dilocox-adaptive-h", *PAYLOAD,
                "--dilocox-overlap-steps", "1000000",  # land at the boundary: the rounds' exposure is H's alone
+               "--dilocox-no-per-site-h",  # lockstep: one H per round on both (per-site H: test_megatron_sites.py)
                "--dilocox-metrics-file", f"{tmp_path}/metrics_c{{cluster}}.jsonl"]
     t_start = time.monotonic()
     events = {}

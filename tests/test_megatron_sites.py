@@ -12,6 +12,7 @@ import signal
 import pytest
 import torch
 
+from megatron_dilocox.compression.auth import TAG_BYTES
 from megatron_dilocox.compression.codec import HEADER_BYTES
 from megatron_dilocox.harness import throttle
 from megatron_dilocox.harness.spawn import free_port
@@ -73,7 +74,8 @@ def test_two_layouts_exact_token_weighted_average(corpus, tmp_path):
     n = d0["phi"].numel()
     assert layout_line(logs[0])["numel"] == n == layout_line(logs[1])["numel"]
     for c in range(2):
-        assert all(r["bytes_sent"] == HEADER_BYTES + 2 * 4 * n // 2 for r in rows[c])
+        # fp32 by reduce-scatter + all-gather (a tagged all-reduce): 4n, and a tag on each of the 3 messages
+        assert all(r["bytes_sent"] == HEADER_BYTES + 4 * n + 3 * TAG_BYTES for r in rows[c])
     v0, v1 = logs[0].valid_losses[-1], logs[1].valid_losses[-1]
     assert v0 == pytest.approx(v1, rel=1e-4) and v0 < 8.0
 
@@ -238,7 +240,9 @@ def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
     lrs = [learning_rates(log) for log in logs]
     end_lr = [lr[e] for lr, e in zip(lrs, ends)]
     assert end_lr[0] == pytest.approx(end_lr[1], rel=0.25), (end_lr, ends)
-    assert lrs[0][iters] > 1.5 * end_lr[0], (lrs[0][iters], end_lr)  # at its own --train-iters the run is not over
+    # at its own 24th iteration the fast site is not at the end of the run, so not at the end of its schedule
+    # (a schedule that followed the site's own iterations would be at its last value there, the end's)
+    assert lrs[0][iters] > end_lr[0], (lrs[0][iters], end_lr)
     print(f"SITES per-site H at half a core: iterations {ends}, H {[r['H'] for r in fast]} vs {[r['H'] for r in slow]}"
           f", final LR {end_lr}")
 

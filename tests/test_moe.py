@@ -51,7 +51,7 @@ DENSE_107B = ["--group-query-attention", "--num-query-groups", "2", "--swiglu", 
 
 MOE_REPLICAS = [f for f in MOE if f != "--use-distributed-optimizer"]  # EP2 x DP2, every DP rank a full replica
 CONFIGS = {"moe": (4, MOE), "moe_replicas": (4, MOE_REPLICAS), "dense_107b": (2, DENSE_107B)}
-CHECKPOINTING_REFERENCE = {"dense_107b"}  # its reference saves every H: the dense resume restarts from it
+CHECKPOINTING_REFERENCE = {"dense_107b", "moe"}  # their references save every H: the restart tests start from them
 MOE_ARGS_DUMP = {"moe_token_dispatcher_type": "alltoall", "expert_model_parallel_size": "2",
                  "distributed_backend": "gloo", "num_experts": str(EXPERTS), "moe_router_topk": "2"}
 
@@ -163,8 +163,11 @@ def assert_continuation_is_the_reference(reference, logs, out, seen):
                 assert a[key] == b[key], (c, key, a[key], b[key])
 
 
-# CI runs the MoE SIGKILL resume and the dense restart below; the dense SIGKILL form costs two more launches
-@pytest.mark.parametrize("reference", [pytest.param("dense_107b", marks=pytest.mark.slow), "moe"], indirect=True)
+# CI restarts both from their references' checkpoints (below: one launch each); the SIGKILL forms cost two more
+# launches each and are slow (a SIGKILL mid-round and its resume run in CI in tests/test_resume.py and
+# tests/test_megatron_sites.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["dense_107b", "moe"], indirect=True)
 def test_sigkill_and_restart_resume_bitwise(reference, kjv, tmp_path):
     """Cluster 1's rank 0 dies after iteration 5 (round 1 in flight since the boundary at 4, saved with
     checkpoint 4); both clusters restart from 4 and replay iterations 5-8 and rounds 1-2 bitwise."""
@@ -183,9 +186,10 @@ def test_sigkill_and_restart_resume_bitwise(reference, kjv, tmp_path):
     assert_continuation_is_the_reference(reference, again.logs, tmp_path, seen)
 
 
-@pytest.mark.parametrize("reference", ["dense_107b"], indirect=True)
+@pytest.mark.parametrize("reference", ["dense_107b", "moe"], indirect=True)
 def test_restart_from_the_references_checkpoint_resumes_bitwise(reference, kjv, tmp_path):
-    """The dense GQA/SwiGLU/RMSNorm/untied bf16 dist-opt GPT: the reference saved at 4 (round 1 in flight) and 8.
+    """The dense GQA/SwiGLU/RMSNorm/untied bf16 dist-opt GPT, and the MoE one (EP2, experts sharded by the
+    distributed optimizer): the reference saved at 4 (round 1 in flight) and 8.
     Its checkpoints copied, iteration 8's removed as if lost; both clusters restart with the reference's flags,
     agree on 4 and replay iterations 5-8 and rounds 1-2 bitwise."""
     for c in range(2):

@@ -6,6 +6,7 @@ Reference simulations run in the parent process from the same data (tests/worker
 import pytest
 import torch
 
+from megatron_dilocox.compression.auth import TAG_BYTES
 from megatron_dilocox.compression.codec import HEADER_BYTES
 from megatron_dilocox.compression.quantize import payload_bytes
 from megatron_dilocox.harness.spawn import free_port, run_clusters
@@ -42,7 +43,9 @@ def test_two_clusters_two_ranks_delay_mode_compressed(tmp_path, basis):
     p2 = payload_bytes(IN * rank, bits, block) + payload_bytes(HIDDEN * rank, bits, block) + 4 * (rank + 1)
     numel = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT
     for r in rows0:
-        assert r["bytes_sent"] == r["bytes_received"] == 2 * (C - 1) * (HEADER_BYTES + p1 + p2)
+        # (a tag per message: header and one payload for the local basis, header and two phases for the shared)
+        tags = (2 if basis == "local" else 3) * TAG_BYTES
+        assert r["bytes_sent"] == r["bytes_received"] == 2 * (C - 1) * (HEADER_BYTES + p1 + p2 + tags)
         assert r["bytes_dense_fp32"] == 2 * (2 * (C - 1) * 4 * numel // C)
         assert 0 < r["compression_rel_error"] < 1 and r["pseudo_grad_norm"] > 0
         assert (r["H"], r["lowrank_rank"], r["quant_bits"]) == (3, rank, bits)
@@ -62,7 +65,7 @@ def test_two_clusters_one_bit_whole_agree_bitwise_and_bytes_are_the_closed_form(
     for a, b in zip(rows0, rows1):
         assert a["status"] == "applied" and a["global_model_hash"] == b["global_model_hash"]
         assert a["quant_bits"] == 1 and a["lowrank_rank"] == 0
-        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload_bytes(numel, bits, block))
+        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload_bytes(numel, bits, block) + 2 * TAG_BYTES)
         assert a["bytes_dense_fp32"] == 2 * (C - 1) * 4 * numel // C
         assert 0.2 < a["compression_rel_error"] < 1  # signs x mean |x|: lossy, never more than the signal
     assert all(torch.equal(x, y) for x, y in zip(res[(0, 0)]["final_params"], res[(1, 0)]["final_params"]))
@@ -87,7 +90,8 @@ def test_two_clusters_two_fragments_agree_bitwise_and_bytes_are_each_fragments_c
     numel = {0: 25 * IN, 1: 7 * IN + HIDDEN + HIDDEN * OUT + OUT}
     for a, b in zip(rows0, rows1):
         assert a["status"] == "applied" and a["global_model_hash"] == b["global_model_hash"]
-        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload_bytes(numel[a["fragment"]], bits, block))
+        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload_bytes(numel[a["fragment"]], bits, block)
+                                             + 2 * TAG_BYTES)
     assert len({r["global_model_hash"] for r in rows0}) == len(rows0)  # every fragment's round moves φ
     assert rows0[-1]["global_model_hash"] == res[(0, 0)]["final_hash"] == res[(1, 0)]["final_hash"]
     assert all(torch.equal(x, y) for x, y in zip(res[(0, 0)]["final_params"], res[(1, 0)]["final_params"]))
@@ -259,7 +263,7 @@ def test_link_budget_sends_whole_on_a_fast_link_and_compresses_on_a_high_latency
         else:  # P and Q' of both matrices, the biases, the energy statistics: one all-gather (local basis)
             payload = sum(payload_bytes(n, bits, block) for n in (HIDDEN * r, OUT * r, HIDDEN + OUT, IN * r,
                                                                   HIDDEN * r)) + 4 * (r + 1)
-        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload), (r, a["bytes_sent"])
+        assert a["bytes_sent"] == (C - 1) * (HEADER_BYTES + payload + 2 * TAG_BYTES), (r, a["bytes_sent"])
     assert all(torch.equal(x, y) for x, y in zip(res[(0, 0)]["final_params"], res[(1, 0)]["final_params"]))
 
 

@@ -49,6 +49,7 @@ class FakeCollective:
             def _all_reduce_sum(self, buf):
                 return buf * self.size
 
+
         c = _Fake()
         c.size, c.rank = size, 0
         return c
@@ -69,10 +70,18 @@ def test_rank_payload_equals_codec_payload_sizes_and_counted_bytes(bits, block, 
     res = codec.exchange([torch.randn(s) for s in SHAPES], FakeCollective(C), round_idx=1)
     assert res.status == "applied"
     assert res.bytes_sent == exchange_bytes(p["p1"], p["p2"], bits, C, gathered=True)  # local basis (default)
-    shared = PseudoGradientCodec([torch.Size(s) for s in SHAPES], replace(cfg, lowrank_basis="shared"))
+    # (the fake sends untagged all-gathers; the reduce-scatter's and the tags' bytes: the closed forms below, and
+    # counted over real gloo in tests/test_many_sites.py)
+    shared = PseudoGradientCodec([torch.Size(s) for s in SHAPES],
+                                 replace(cfg, lowrank_basis="shared", exchange_scheme="all-gather"))
     res = shared.exchange([torch.randn(s) for s in SHAPES], FakeCollective(C), round_idx=1)
     assert res.bytes_sent == exchange_bytes(p["p1"], p["p2"], bits, C)
     assert res.bytes_dense_fp32 == dense_allreduce_bytes(p["numel"], C)
+    for scheme in ("all-gather", "reduce-scatter"):  # the cost model's closed form is the codec's, tags included
+        both = PseudoGradientCodec([torch.Size(s) for s in SHAPES], replace(cfg, lowrank_basis="shared",
+                                                                             exchange_scheme=scheme))
+        assert both.round_bytes(rank, C, member=0) == exchange_bytes(
+            p["p1"], p["p2"], bits, C, tagged=True, scheme=both.scheme_at(C, True), pieces=p, block=block)
 
 
 def test_distributed_optimizer_views_are_row_aligned_like_param_views():

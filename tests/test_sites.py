@@ -7,7 +7,9 @@ References are computed in this process in float64 from what the workers recorde
 import pytest
 import torch
 
+from megatron_dilocox.compression.auth import TAG_BYTES
 from megatron_dilocox.compression.codec import HEADER_BYTES
+from megatron_dilocox.compression.scatter import sent_bytes
 from megatron_dilocox.metrics import read_rows
 from tests.workers import HIDDEN, IN, OUT, assert_no_errors, dilocox_spec, train_clusters
 
@@ -45,8 +47,10 @@ def test_token_weighted_average_equals_a_float64_reference(tmp_path):
         assert [r["tokens"] for r in rows] == [h * tokens[c]] * 3
         assert [r["weight"] for r in rows] == pytest.approx([tokens[c] / total] * 3, rel=1e-12)
         assert all(r["repaired"] == [] for r in rows)
-        # fp32 (no lowrank): header all-gather + one ring all-reduce of the model, per round
-        assert all(r["bytes_sent"] == (C - 1) * HEADER_BYTES + 2 * (C - 1) * 4 * NUMEL // C for r in rows)
+        # fp32 (no lowrank): the header all-gather, then the model by reduce-scatter + all-gather (exact in fp32,
+        # the bytes of a ring all-reduce), a tag on every message
+        assert all(r["bytes_sent"] == (C - 1) * (HEADER_BYTES + TAG_BYTES) + sent_bytes([NUMEL], C, c, 32, 1, True)
+                   for r in rows)
 
 
 @pytest.mark.parametrize("C,victim,source,ranks,overlap", [(3, 0, 1, 1, "none"), (2, 1, 0, 2, "eager")])
@@ -78,7 +82,7 @@ def test_a_corrupted_global_model_is_repaired_within_the_round(tmp_path, C, vict
     # the repair broadcast is counted: the source sends 4 bytes per value of φ and momentum to each other member,
     # once per rank (every round sends the same payload bytes otherwise: fixed rank)
     base = rows[source][-2]["bytes_sent"]
-    assert sum(r["bytes_sent"] - base for r in rows[source]) == ranks * (C - 1) * 4 * 2 * NUMEL
+    assert sum(r["bytes_sent"] - base for r in rows[source]) == ranks * (C - 1) * (4 * 2 * NUMEL + TAG_BYTES)
     assert all(r["bytes_sent"] == rows[c][-2]["bytes_sent"] for c in range(C) if c != source for r in rows[c])
     for lr in range(ranks):
         finals = [res[(c, lr)]["final_anchor"] for c in range(C)]
@@ -86,13 +90,14 @@ def test_a_corrupted_global_model_is_repaired_within_the_round(tmp_path, C, vict
 
 
 def test_a_payload_altered_in_flight_is_applied_once_and_repaired_in_the_next_round(tmp_path):
-    """The issue's own scenario through the real group: one bit of cluster 0's payload arrives flipped at cluster
-    1 in round 2. Cluster 1 applies what it received (nothing refuses it: payloads are not authenticated), so
-    round 2's hashes differ; round 3's header shows it, cluster 1 takes cluster 0's global model, and from
-    round 3 on every round's hash is equal. Both clusters exit normally."""
+    """Without payload authentication (--dilocox-no-payload-auth; with it the altered payload is refused,
+    tests/test_many_sites.py): one bit of cluster 0's payload arrives flipped at cluster 1 in round 2. Cluster 1
+    applies what it received, so round 2's hashes differ; round 3's header shows it, cluster 1 takes cluster 0's
+    global model, and from round 3 on every round's hash is equal. Both clusters exit normally."""
     C = 2
     res = train_clusters(C, steps=10, metrics_dir=str(tmp_path), corrupt_payload=(1, 2),
-                         dilocox=dilocox_spec(C, h=2, overlap="none", lowrank=False, adaptive_rank=False))
+                         dilocox=dilocox_spec(C, h=2, overlap="none", lowrank=False, adaptive_rank=False,
+                                              payload_auth=False))
     assert_no_errors(res)
     rows = [read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C)]
     hashes = [[r["global_model_hash"] for r in rows[c]] for c in range(C)]

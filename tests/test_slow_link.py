@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_dilocox.compression.auth import TAG_BYTES
 from megatron_dilocox.compression.codec import HEADER_BYTES
 from megatron_dilocox.compression.quantize import payload_bytes
 from megatron_dilocox.config import DiLoCoXConfig
@@ -198,7 +199,8 @@ def test_two_clusters_on_a_slow_link_switch_at_the_same_boundary_and_agree_bitwi
         assert a["status"] == "applied" and a["global_model_hash"] == b["global_model_hash"]
         n = whole if i < 2 else numel[a["fragment"]]
         # (the cluster's row: both ranks' bytes; their tensors have the same shapes)
-        assert a["bytes_sent"] == 2 * (C - 1) * (HEADER_BYTES + payload_bytes(n, bits, block)), (i, a["fragment"])
+        assert a["bytes_sent"] == 2 * (C - 1) * (HEADER_BYTES + payload_bytes(n, bits, block) + 2 * TAG_BYTES), \
+            (i, a["fragment"])  # (a tag on the header and on the payload)
     for lr in range(2):  # two ranks per cluster (each its own tensors), which must switch and land together
         assert [(r["fragment"], r["round"], r["launched_at"], r["iteration"]) for r in res[(0, lr)]["rows"]] == \
                [(r["fragment"], r["round"], r["launched_at"], r["iteration"]) for r in res[(1, lr)]["rows"]]

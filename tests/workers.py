@@ -112,20 +112,58 @@ class FlakyGroup(InterClusterGroup):
 
 class CorruptingGroup(InterClusterGroup):
     """The real gloo group, which on cluster ``to_cluster`` flips the lowest bit of one byte of another member's
-    payload in its ``at_call``-th payload all-gather (more than 200 bytes: not a header, digest or proof), as a
-    corrupting link would; nothing else changes."""
+    message (``from_cluster``'s; default the next member's) in its ``at_call``-th payload collective (an
+    all-gather of more than 200 bytes: not a header, digest or proof; or an all-to-all), as a corrupting link
+    would; nothing else changes."""
 
-    to_cluster, at_call, calls = -1, 0, 0
+    to_cluster, at_call, from_cluster, calls = -1, 0, None, 0
 
-    def _all_gather(self, buf):
-        out = super()._all_gather(buf)
-        if self.cluster == CorruptingGroup.to_cluster and buf.numel() > 200:
+    def _flip(self, out):
+        if self.cluster == CorruptingGroup.to_cluster:
             CorruptingGroup.calls += 1
             if CorruptingGroup.calls == CorruptingGroup.at_call:
-                other = (self.rank + 1) % self.size
+                other = (self.rank + 1) % self.size if CorruptingGroup.from_cluster is None else \
+                    self.membership.members.index(CorruptingGroup.from_cluster)
                 out[other] = out[other].clone()
                 out[other][out[other].numel() // 3] ^= 1
         return out
+
+    def _all_gather(self, buf):
+        out = super()._all_gather(buf)
+        return self._flip(out) if buf.numel() > 200 else out
+
+    def _all_to_all(self, pieces, sizes_in):
+        return self._flip(super()._all_to_all(pieces, sizes_in))
+
+
+class ReplayingGroup(InterClusterGroup):
+    """The real gloo group, which on cluster ``to_cluster`` keeps another member's first payload message (over 200
+    bytes, tag included) and puts it in place of that member's second: a payload replayed from round 1 in
+    round 2, as a man in the middle could."""
+
+    to_cluster, calls, kept = -1, 0, None
+
+    def _all_gather(self, buf):
+        out = super()._all_gather(buf)
+        if self.cluster == ReplayingGroup.to_cluster and buf.numel() > 200:
+            ReplayingGroup.calls += 1
+            other = (self.rank + 1) % self.size
+            if ReplayingGroup.calls == 1:
+                ReplayingGroup.kept = out[other].clone()
+            elif ReplayingGroup.calls == 2:
+                out[other] = ReplayingGroup.kept
+        return out
+
+
+class RecordingGroup(InterClusterGroup):
+    """The real gloo group, keeping what every all-to-all returned (the verified payloads, tags removed)."""
+
+    received: list = []
+
+    def all_to_all(self, pieces, sizes_in, context=None):
+        got = super().all_to_all(pieces, sizes_in, context)
+        RecordingGroup.received.append({"context": list(context or ()), "got": [g.clone() for g in got]})
+        return got
 
 
 def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
@@ -145,8 +183,11 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     cfg = DiLoCoXConfig(cluster_id=cluster, **settings).validate()
     store = connect_store(cfg, host_store=(cluster == 0 and local_rank == 0))
     group_cls = SlowGroup if spec.get("slow_gather") else FlakyGroup if spec.get("fail_gather") else \
-        CorruptingGroup if spec.get("corrupt_payload") else InterClusterGroup
-    CorruptingGroup.to_cluster, CorruptingGroup.at_call = spec.get("corrupt_payload", (-1, 0))
+        CorruptingGroup if spec.get("corrupt_payload") else ReplayingGroup if spec.get("replay_payload") is not None \
+        else RecordingGroup if spec.get("record_all_to_all") else InterClusterGroup
+    CorruptingGroup.to_cluster, CorruptingGroup.at_call, *rest = spec.get("corrupt_payload", (-1, 0))
+    CorruptingGroup.from_cluster = rest[0] if rest else None
+    ReplayingGroup.to_cluster = spec.get("replay_payload", -1)
     SlowGroup.delay = spec.get("slow_gather", 0.0)
     FlakyGroup.fail_cluster, FlakyGroup.fail_at = spec.get("fail_gather", (-1, 0))
     fingerprint = dict(spec.get("fingerprint", {}), **spec.get("fingerprint_by_cluster", {}).get(str(cluster), {}))
@@ -222,6 +263,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
         out["exchange_spans"] = sync.exchange_spans
         out["failovers"] = list(getattr(group, "failovers", []))  # (lost, back) wall times, standalone
         out["injected_failure"] = FlakyGroup.failed
+        out["received"] = RecordingGroup.received
         sync.close()
     return out
 

@@ -27,8 +27,9 @@ def choose_rank(cum_energy: Sequence[float], total_energy: float, rank: int, thr
 
 def steps_to_hide(comm_seconds: float, step_seconds: float, margin: float) -> int:
     """Inner steps a transfer of ``comm_seconds`` needs to hide behind, ``margin`` to spare: ceil(T_comm / T_step
-    * (1 + margin))."""
-    return math.ceil(comm_seconds / step_seconds * (1.0 + margin))
+    * (1 + margin)), rounding off the last bits of float error first (a product that is a whole number of steps in
+    exact arithmetic must not gain a step from its last bit)."""
+    return math.ceil(round(comm_seconds / step_seconds * (1.0 + margin), 9))
 
 
 def choose_h(comm_seconds: float, step_seconds: float, h: int, margin: float, h_min: int, h_max: int) -> int:

@@ -53,6 +53,8 @@ from megatron_dilocox.compression.layout import split_layout, unaliased
 from megatron_dilocox.compression.local_basis import LocalBasisExchange
 from megatron_dilocox.compression.norms import EXACT_IN_FP32 as _EXACT_IN_FP32, finite as _finite, sumsq as _sumsq
 from megatron_dilocox.compression.quantize import bytes_as, dequantize, payload_bytes, quantize
+from megatron_dilocox.compression.auth import TAG_BYTES
+from megatron_dilocox.compression.scatter import SUMMABLE_BITS, reduce_scatter_all_gather, sent_bytes
 from megatron_dilocox.config import DiLoCoXConfig
 
 MAGIC = 0x44694C6F  # "DiLo"
@@ -118,6 +120,7 @@ class PseudoGradientCodec(LocalBasisExchange):
                   for gi, g in enumerate(self.groups)]
         self.layout_hash = self._layout_hash()
         self._scales: Optional[list] = None  # this round's C·w_c/Σw (None: equal weights)
+        self._round, self.fragment = 0, 0  # (what this round's messages are tagged with; streaming sets fragment)
         self.rank_cap = self._rank_cap(config.num_clusters)
 
     # ---------------------------------------------------------------------------------- layout
@@ -151,12 +154,37 @@ class PseudoGradientCodec(LocalBasisExchange):
     def _one_phase_at(self, rank: int) -> bool:
         return bool(self.groups) and self.cfg.lowrank_basis == "local" and rank != 0
 
-    def round_bytes(self, rank: int, clusters: int) -> int:
-        """Bytes this rank sends in one round at ``rank`` (closed form: header + both phases; rank 0: phase 1)."""
+    def round_bytes(self, rank: int, clusters: int, member: Optional[int] = None) -> int:
+        """Bytes this rank sends in one round at ``rank`` (closed form: the header, then the payload messages by
+        the scheme ``scheme_at`` picks, a tag on each when --dilocox-payload-auth; rank 0: phase 1 alone).
+        ``member``: this cluster's place in the group (reduce-scatter chunks differ by a block; default its id)."""
+        if clusters <= 1:
+            return 0
+        tag = TAG_BYTES if self.cfg.payload_auth else 0
+        member = min(self.cfg.cluster_id if member is None else member, clusters - 1)
+        header = allgather_bytes(HEADER_BYTES + tag, clusters)
         p1, p2 = self.payload_sizes(rank)
-        if self.cfg.quant_bits == 32 and not self._one_phase_at(rank):
-            return allgather_bytes(HEADER_BYTES, clusters) + allreduce_bytes(p1, clusters) + allreduce_bytes(p2, clusters)
-        return allgather_bytes(HEADER_BYTES + p1 + p2, clusters)
+        if self._one_phase_at(rank):
+            return header + allgather_bytes(p1 + p2 + tag, clusters)
+        scheme = self.scheme_at(clusters, bool(tag))
+        n1, n2 = self._piece_numels(rank)
+        bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
+        if scheme == "reduce-scatter":
+            total = header + sent_bytes(n1, clusters, member, bits, block, bool(tag))
+            if n2:  # phase 2: Q' by reduce-scatter, the energy statistics (fp32) by all-gather
+                total += sent_bytes(n2, clusters, member, bits, block, bool(tag)) + allgather_bytes(p2 - sum(
+                    payload_bytes(n, bits, block) for n in n2) + tag, clusters)
+            return total
+        phase = allreduce_bytes if bits == 32 else (lambda n, c: allgather_bytes(n + tag, c))
+        return header + phase(p1, clusters) + (phase(p2, clusters) if p2 else 0)
+
+    def _piece_numels(self, rank: int) -> tuple[list, list]:
+        """The values of each piece phase 1 and phase 2 send (the two-phase path), as ``exchange`` cuts them."""
+        whole = [sum(self.numels[i] for i in self.whole)] if self.whole else []
+        if rank == 0:
+            return [len(g.members) * g.rows * g.cols for g in self.groups] + whole, []
+        return ([len(g.members) * g.rows * rank for g in self.groups] + whole,
+                [len(g.members) * g.cols * rank for g in self.groups])
 
     def _rank_cap(self, clusters: int, budget: bool = True) -> int:
         """Adaptive rank's ceiling: --dilocox-lowrank-rank-max, each matrix's min(rows, cols) when that flag is
@@ -202,10 +230,18 @@ class PseudoGradientCodec(LocalBasisExchange):
         return torch.empty(shape, dtype=torch.float32, device=self.device)
 
     # ---------------------------------------------------------------------------------- exchange
-    def exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
-                 comm_seconds_prev: float = 0.0, step_seconds: float = 0.0,
-                 seconds_per_byte_prev: float = 0.0, link_steps: float = 0.0, tokens: float = 1.0,
-                 state_hash: int = 0) -> ExchangeResult:
+    def exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int, *args, **kwargs
+                 ) -> ExchangeResult:
+        """``_exchange`` with the messages' authentication refusals deferred to its end (collective.py): a
+        cluster that received a forged message still takes part in the rest of the round, then raises
+        ForgedPayload; the caller applies nothing (outer/sync.py)."""
+        with coll.deferred_refusals():
+            return self._exchange(deltas, coll, round_idx, *args, **kwargs)
+
+    def _exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
+                  comm_seconds_prev: float = 0.0, step_seconds: float = 0.0,
+                  seconds_per_byte_prev: float = 0.0, link_steps: float = 0.0, tokens: float = 1.0,
+                  state_hash: int = 0) -> ExchangeResult:
         """One round: compress M = δ + e, average over the clusters, keep the new e. ``link_steps`` > 0 (round 1
         under the link budget): first set the rank to what the link carries in that many steps, from the
         header's figures (the same on every cluster, so all decide alike). ``tokens``: this cluster's weight
@@ -239,7 +275,11 @@ class PseudoGradientCodec(LocalBasisExchange):
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
                                comm_seconds_prev, step_seconds, seconds_per_byte_prev, tokens, state_hash],
                               dtype=torch.float64)
-        headers = [bytes_as(h, torch.float64) for h in coll.all_gather(header.view(torch.uint8))]
+        self._round = round_idx
+        # (the header's tag leaves the round out: the header carries it, and a peer at another round is refused
+        # by _check_headers saying so; every payload's tag names the round)
+        headers = [bytes_as(h, torch.float64) for h in coll.all_gather(header.view(torch.uint8),
+                                                                          (0, self.fragment, "header"))]
         result.peer_wait_seconds = time.perf_counter() - t_enter
         wire0 = (coll.counter.seconds, coll.counter.sent)
         self._check_headers(headers, header, coll)
@@ -268,21 +308,20 @@ class PseudoGradientCodec(LocalBasisExchange):
         # value), so quantization blocks never mix a large column with a small one
         pieces1 = [torch.bmm(m, q).transpose(1, 2) for m, q in zip(M[:G], self.q)]
         pieces1 += M[G:]  # the whole tensors, already one flat slab (at rank 0 also the matrix slabs)
-        sums1, sent1, _ = self._reduce(pieces1, [], coll)
-        if not all(map(_finite, sums1)):
+        means1, sent1, _, carry1 = self._reduce(pieces1, [], coll, "phase1")
+        if not all(map(_finite, means1)):
             return finish("refused: non-finite values in the averaged phase-1 payload")
 
         out, e_sq = [], [None] * len(M)  # e_sq: ||e||² per slab, for the relative error
         if G:
-            p_hat = [lowrank.orthonormalize(s.transpose(1, 2) / C) for s in sums1[:G]]
+            p_hat = [lowrank.orthonormalize(s.transpose(1, 2)) for s in means1[:G]]
             # Q'^T = P^^T M ([B, r, cols]: the wire layout; reads M row-major, faster than M^T P^)
             qt_local = [torch.bmm(p.transpose(1, 2), m) for m, p in zip(M, p_hat)]
             cum = sum(lowrank.cumulative_energy(q.transpose(1, 2)) for q in qt_local)
             stats = torch.cat([cum, torch.tensor([sum(m_sq[:G])])]).float()
-            sums2, sent2, (stat_sum,) = self._reduce(qt_local, [stats], coll)
-            if not all(map(_finite, sums2)):
+            q_mean, sent2, (stat_sum,), _ = self._reduce(qt_local, [stats], coll, "phase2")  # [B, r, cols]
+            if not all(map(_finite, q_mean)):
                 return finish("refused: non-finite values in the averaged phase-2 payload")
-            q_mean = [s / C for s in sums2]  # [B, r, cols]
             for k, (m, p, qm, qs) in enumerate(zip(M, p_hat, q_mean, sent2)):
                 out.append(torch.bmm(p, qm, out=self._slab(self._out, k, m.shape)))  # Δ = P^ mean(Q')^T
                 m.baddbmm_(p, qs, alpha=-1)  # e = M - P^ Q'_sent^T, in place: M is not needed after this
@@ -295,9 +334,11 @@ class PseudoGradientCodec(LocalBasisExchange):
                     stat_sum[:-1].tolist(), float(stat_sum[-1]), self.rank, self.cfg.energy_threshold,
                     self.cfg.resolved_rank_min, self.rank_cap)
         for k in range(G, len(M)):  # the slabs sent whole
-            out.append(torch.div(sums1[k], C, out=self._slab(self._out, k, M[k].shape)) if k < len(self.groups)
-                       else sums1[k] / C)
-            e_sq[k] = _sumsq(M[k].sub_(sent1[k]))  # e = M - what this cluster transmitted
+            out.append(self._slab(self._out, k, M[k].shape).copy_(means1[k]) if k < len(self.groups) else means1[k])
+            M[k].sub_(sent1[k])  # e = M - what this cluster transmitted
+            if carry1 is not None:  # (reduce-scatter: the owner's requantization error of its chunks)
+                M[k].add_(carry1[k])
+            e_sq[k] = _sumsq(M[k])
 
         return self._commit(M, out, e_sq, m_sq, result, finish)
 
@@ -337,11 +378,24 @@ class PseudoGradientCodec(LocalBasisExchange):
                 raise PayloadError(f"refused payload: cluster {c} reports {float(h[8])} tokens for its round "
                                    f"(a weight must be positive); nothing was applied")
 
-    def _reduce(self, pieces, raw, coll: Collective):
-        """Sum ``pieces`` (compressed) and ``raw`` (fp32 as is) over clusters.
+    def _reduce(self, pieces, raw, coll: Collective, phase: str):
+        """Average ``pieces`` (compressed; weighted) and sum ``raw`` (fp32 as is) over clusters.
 
-        Returns (sums, what this cluster transmitted after its own quantization, raw sums)."""
-        n = len(pieces)
+        Returns (means, what this cluster transmitted as decoded, raw sums, the requantization error this
+        cluster keeps as error feedback per piece, or None)."""
+        n, C = len(pieces), coll.size
+        if self.scheme(coll) == "reduce-scatter":
+            flat = [p.reshape(-1).float() for p in pieces]
+            means, sent, carry = reduce_scatter_all_gather(flat, coll, self.cfg.quant_bits, self.cfg.quant_block_size,
+                                                           self._scales, self._context(phase))
+            raw_sums = None
+            if raw:  # (small statistics: gathered and summed in member order, exact)
+                for part in coll.all_gather(torch.cat([r.float() for r in raw]), self._context(phase + "-stats")):
+                    raw_sums = part.clone() if raw_sums is None else raw_sums + part
+                raw_sums = list(torch.split(raw_sums, [r.numel() for r in raw]))
+            shape = [p.shape for p in pieces]
+            return ([m.view(s) for m, s in zip(means, shape)], [t.view(s) for t, s in zip(sent, shape)], raw_sums or [],
+                    None if carry is None else [c.view(s) for c, s in zip(carry, shape)])
         if self.cfg.quant_bits == 32:
             flat = [p.reshape(-1).float() for p in pieces]
             weighted = [self._weighted(f, coll.rank) for f in flat]
@@ -350,16 +404,36 @@ class PseudoGradientCodec(LocalBasisExchange):
             sent = flat
         else:
             parts, sent = None, None
-            for c, decoded in self._gathered(pieces, raw, coll):
+            for c, decoded in self._gathered(pieces, raw, coll, phase):
                 terms = [self._weighted(d, c) for d in decoded[:n]] + decoded[n:]  # (raw sums are statistics)
                 parts = terms if parts is None else [a + b for a, b in zip(parts, terms)]
                 if c == coll.rank:
                     sent = decoded[:n]
-        sums = [s.view(p.shape) for s, p in zip(parts[:n], pieces)]
+        means = [(s / C).view(p.shape) for s, p in zip(parts[:n], pieces)]
         sent = [s.view(p.shape) for s, p in zip(sent, pieces)]
-        return sums, sent, parts[n:]
+        return means, sent, parts[n:], None
 
-    def _gathered(self, pieces, raw, coll: Collective):
+    def scheme(self, coll: Collective) -> str:
+        return self.scheme_at(coll.size, coll.authenticated)
+
+    def scheme_at(self, clusters: int, authenticated: bool) -> str:
+        """How this round's summable payloads travel: "reduce-scatter" (compression/scatter.py) or "all-gather"
+        (fp32 unauthenticated: a ring all-reduce). auto: reduce-scatter from three clusters on (fewer bytes; at
+        two the bytes are equal and the all-gather needs no second quantization), and for fp32 whenever the
+        messages are authenticated (an all-reduce cannot carry the senders' tags)."""
+        bits, choice = self.cfg.quant_bits, self.cfg.exchange_scheme
+        if clusters <= 1 or bits not in SUMMABLE_BITS:
+            return "all-gather"
+        if choice == "auto":
+            return "reduce-scatter" if clusters >= 3 or (bits == 32 and authenticated) else "all-gather"
+        if choice == "all-gather" and bits == 32 and authenticated:
+            return "reduce-scatter"  # (the fp32 all-reduce cannot be authenticated; the same bytes, exact)
+        return choice
+
+    def _context(self, kind: str) -> tuple:
+        return (self._round, self.fragment, kind)
+
+    def _gathered(self, pieces, raw, coll: Collective, phase: str = "payload"):
         """All-gather ``pieces`` (quantized at --dilocox-quant-bits) and ``raw`` (fp32); yield (cluster index,
         its decoded flat pieces + raw) in cluster order, so that any sum over them is the same everywhere."""
         bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
@@ -367,7 +441,7 @@ class PseudoGradientCodec(LocalBasisExchange):
         sizes = [f.numel() for f in flat]
         payload = torch.cat([quantize(f, bits, block) for f in flat] + [r.float().view(torch.uint8) for r in raw])
         nbytes = [payload_bytes(n, bits, block) for n in sizes] + [4 * r.numel() for r in raw]
-        for c, buf in enumerate(coll.all_gather(payload)):
+        for c, buf in enumerate(coll.all_gather(payload, self._context(phase))):
             if buf.numel() != sum(nbytes):
                 raise PayloadError(f"refused payload: cluster {coll.cluster_of(c)} sent {buf.numel()} bytes, expected {sum(nbytes)}")
             chunks = torch.split(buf, nbytes)

@@ -5,15 +5,25 @@ real inter-cluster gloo group (``topology.InterClusterGroup``) or alone (``SoloC
 
 Bytes are counted per call with the ring-algorithm formulas (what each rank puts on the wire):
 all-gather of S bytes over C ranks sends and receives (C-1)*S; all-reduce of S bytes sends and
-receives floor(2*(C-1)*S/C). ``dense_allreduce_bytes`` is the latter for fp32, the baseline that
-plain data parallelism would pay for the same tensors.
+receives floor(2*(C-1)*S/C); all-to-all sends every piece but its own. ``dense_allreduce_bytes`` is the
+all-reduce of fp32, the baseline that plain data parallelism would pay for the same tensors.
+
+Authentication (compression/auth.py): a group with a ``key`` seals every message given a ``context``
+(round, fragment, kind) with a tag naming its sender and receiver, and verifies every message it receives
+before returning it; the tag's bytes are counted like the payload's. An all-reduce mixes the senders' bytes, so
+it cannot be authenticated: a keyed group refuses one with a context (the codec sends fp32 by reduce-scatter
+and all-gather instead, compression/scatter.py).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from megatron_dilocox.compression.auth import TAG_BYTES, ForgedPayload, seal, unseal
 
 
 def allgather_bytes(payload_bytes: int, size: int) -> int:
@@ -44,21 +54,88 @@ class Collective:
 
     rank: int = 0
     size: int = 1
+    key: Optional[bytes] = None  # the run's payload key (auth.derive_key); None: messages travel untagged
 
     def __init__(self):
         self.counter = ByteCounter()
 
-    def all_gather(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Every member's ``buf`` (all the same size), in member order."""
-        self.counter.add(allgather_bytes(buf.numel() * buf.element_size(), self.size))
+    @property
+    def authenticated(self) -> bool:
+        return self.key is not None and self.size > 1
+
+    def all_gather(self, buf: torch.Tensor, context: Optional[tuple] = None) -> list[torch.Tensor]:
+        """Every member's ``buf`` (all the same size), in member order. ``context`` (round, fragment, kind):
+        authenticate the messages when the group is keyed."""
+        sealed = self.authenticated and context is not None
+        me = self.cluster_of(self.rank)
+        out = buf.contiguous().view(torch.uint8).reshape(-1) if sealed else buf
+        if sealed:
+            out = seal(self.key, context, me, -1, out)
+        self.counter.add(allgather_bytes(out.numel() * out.element_size(), self.size))
         t0 = time.perf_counter()
         try:
-            return self._all_gather(buf)
+            got = self._all_gather(out)
         finally:
             self.counter.seconds += time.perf_counter() - t0
+        if not sealed:
+            return got
+        return [buf if g == self.rank else self._open(context, g, -1, m, buf).view(buf.dtype).view(buf.shape)
+                for g, m in enumerate(got)]
 
-    def all_reduce_sum(self, buf: torch.Tensor) -> torch.Tensor:
+    def all_to_all(self, pieces: list[torch.Tensor], sizes_in: list[int],
+                   context: Optional[tuple] = None) -> list[torch.Tensor]:
+        """Member j gets ``pieces[j]`` (flat uint8); returns what each member sent to this one, in member order,
+        ``sizes_in[g]`` bytes from member g (before tags). Counted: every piece but this member's own."""
+        sealed = self.authenticated and context is not None
+        me = self.cluster_of(self.rank)
+        if sealed:
+            pieces = [p if j == self.rank else seal(self.key, context, me, self.cluster_of(j), p)
+                      for j, p in enumerate(pieces)]
+            sizes_in = [n if g == self.rank else n + TAG_BYTES for g, n in enumerate(sizes_in)]
+        self.counter.sent += sum(p.numel() for j, p in enumerate(pieces) if j != self.rank)
+        self.counter.received += sum(n for g, n in enumerate(sizes_in) if g != self.rank)
+        t0 = time.perf_counter()
+        try:
+            got = self._all_to_all(pieces, sizes_in)
+        finally:
+            self.counter.seconds += time.perf_counter() - t0
+        if not sealed:
+            return got
+        return [m if g == self.rank else self._open(context, g, me, m, None) for g, m in enumerate(got)]
+
+    def _open(self, context, g: int, receiver: int, message: torch.Tensor, stand_in):
+        """A received message's payload; one that does not verify raises, or inside ``deferred_refusals`` is
+        kept and stood in for (this member's own payload, or zeros) so that this member goes through the rest
+        of the round's collectives like the others and nobody waits for it into a timeout."""
+        try:
+            return unseal(self.key, context, self.cluster_of(g), receiver, message)
+        except ForgedPayload as exc:
+            if not self._defer:
+                raise
+            self.forged.append(exc)
+            if stand_in is not None:
+                return stand_in.contiguous().view(torch.uint8).reshape(-1)
+            return torch.zeros(message.numel() - TAG_BYTES, dtype=torch.uint8)
+
+    _defer = False
+
+    @contextlib.contextmanager
+    def deferred_refusals(self):
+        """Inside (one round's exchange): messages that do not verify are stood in for and kept; on leaving, the
+        first is raised (ahead of anything the stand-ins caused: the forgery is the cause)."""
+        self._defer, self.forged = True, []
+        try:
+            yield
+        finally:
+            self._defer, forged, self.forged = False, self.forged, []
+            if forged:
+                raise forged[0]
+
+    def all_reduce_sum(self, buf: torch.Tensor, context: Optional[tuple] = None) -> torch.Tensor:
         """Elementwise sum over members; bitwise identical on every member."""
+        if self.authenticated and context is not None:
+            raise ValueError("an all-reduce mixes the members' bytes and cannot be authenticated: "
+                             "use reduce-scatter and all-gather (compression/scatter.py)")
         self.counter.add(allreduce_bytes(buf.numel() * buf.element_size(), self.size))
         t0 = time.perf_counter()
         try:
@@ -66,19 +143,28 @@ class Collective:
         finally:
             self.counter.seconds += time.perf_counter() - t0
 
-    def broadcast(self, buf: torch.Tensor, src: int = 0) -> torch.Tensor:
+    def broadcast(self, buf: torch.Tensor, src: int = 0, context: Optional[tuple] = None) -> torch.Tensor:
         """``buf`` of member ``src`` everywhere (the anchor at start; a repair, outer/sync.py). Counted as the
         source sending one copy to each other member."""
-        n = buf.numel() * buf.element_size()
+        sealed = self.authenticated and context is not None
+        flat = buf
+        if sealed:  # the source seals; the others receive into a buffer of the same size
+            raw = buf.contiguous().view(torch.uint8).reshape(-1)
+            flat = seal(self.key, context, self.cluster_of(src), -1, raw) if self.rank == src else \
+                torch.empty(raw.numel() + TAG_BYTES, dtype=torch.uint8)
+        n = flat.numel() * flat.element_size()
         if self.rank == src:
             self.counter.sent += (self.size - 1) * n
         else:
             self.counter.received += n
         t0 = time.perf_counter()
         try:
-            return self._broadcast(buf, src)
+            got = self._broadcast(flat, src)
         finally:
             self.counter.seconds += time.perf_counter() - t0
+        if not sealed or self.rank == src:
+            return got if not sealed else buf.clone()
+        return unseal(self.key, context, self.cluster_of(src), -1, got).view(buf.dtype).view(buf.shape)
 
     # membership (a fixed group: every round commits; InterClusterGroup overrides these)
     elastic = False
@@ -105,6 +191,9 @@ class Collective:
     def _broadcast(self, buf, src):
         raise NotImplementedError
 
+    def _all_to_all(self, pieces, sizes_in):
+        raise NotImplementedError
+
 
 class SoloCollective(Collective):
     """A group of one (C=1): collectives are identities and cost no bytes."""
@@ -117,3 +206,6 @@ class SoloCollective(Collective):
 
     def _broadcast(self, buf, src):
         return buf
+
+    def _all_to_all(self, pieces, sizes_in):
+        return [pieces[0]]

@@ -171,7 +171,7 @@ def agree_on_resume_iteration(cfg, args, group, intra) -> int:
     per_cluster = [vec]
     if group is not None:
         buf = torch.tensor(vec, dtype=torch.int64).view(torch.uint8)
-        per_cluster = [t.view(torch.int64).tolist() for t in group.all_gather(buf)]
+        per_cluster = [t.view(torch.int64).tolist() for t in group.all_gather(buf, (0, 0, "resume"))]
     sets = [{i for i in v if i > 0} for v in per_cluster]
     common = set.intersection(*sets)
     agreed = max(common, default=0)

@@ -4,12 +4,14 @@ A gloo collective cannot tell a live peer that failed from one that died, and tw
 different outcomes of the same collective (one finished the all-gather, the other's link dropped).
 So no round is applied on the strength of a local success alone. After each exchange attempt every
 rank of every member posts a vote (``ok``, ``fail`` = transport error or timeout, ``refused:<why>`` =
-a payload refused by the header checks) and cluster 0's local rank 0 — the coordinator, which hosts
+a payload refused by the header checks, ``forged:<sender>:<why>`` = a message whose authentication tag does not
+verify, compression/auth.py) and cluster 0's local rank 0 — the coordinator, which hosts
 the store — publishes one verdict for all:
 
     commit   every rank of every member voted ok            -> apply the round (admit joiners after it)
-    retry    a member is lost (no votes and no heartbeat)   -> policy continue: survivors form a new
-             or an attempt failed with everyone present        group (next epoch) and redo the round
+    retry    a member is lost (no votes and no heartbeat,   -> policy continue: survivors form a new
+             or its payload's tag did not verify), or an       group (next epoch) and redo the round
+             attempt failed with everyone present
     stop     policy stop and a member is lost, a payload       -> drop the round everywhere
              was refused, or retries keep failing
 
@@ -196,16 +198,22 @@ class Membership:
         votes = [self.meta.get(f"{key}/vote/{c}/{r}").decode() for c in self.members if c not in missing
                  for r in range(self.local_world)]
         refused = [v for v in votes if v.startswith("refused:")]
+        # a payload whose tag did not verify (compression/auth.py): its sender is lost for this round
+        forged = sorted({int(v.split(":")[1]) for v in votes if v.startswith("forged:")} & set(self.members))
+        missing = sorted(set(missing) | set(forged))
         verdict = {"action": "commit", "members": list(self.members), "epoch": self.epoch, "lost": missing,
                    "admitted": [], "reason": ""}
         if refused:
             verdict.update(action="stop", reason=refused[0][len("refused:"):])
         elif missing:
-            lost = ", ".join(map(str, missing))
+            silent = [c for c in missing if c not in forged]
+            why = ([f"lost cluster(s) {', '.join(map(str, silent))}: no answer within "
+                    f"{heartbeat_after(self.timeout):.0f}s of heartbeat silence"] if silent else []) + \
+                  ([f"cluster(s) {', '.join(map(str, forged))} sent payloads whose authentication tags do not "
+                    f"verify (altered, replayed or misrouted): nothing from them applied"] if forged else [])
             verdict.update(action="stop" if self.policy == "stop" else "retry",
                            members=[c for c in self.members if c not in missing], epoch=self.epoch + 1,
-                           reason=f"lost cluster(s) {lost}: no answer within "
-                                  f"{heartbeat_after(self.timeout):.0f}s of heartbeat silence")
+                           reason="; ".join(why))
         elif any(v != "ok" for v in votes):
             self._retries += 1
             verdict.update(action="retry" if self._retries < MAX_RETRIES else "stop", epoch=self.epoch + 1,

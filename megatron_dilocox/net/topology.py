@@ -25,8 +25,9 @@ from datetime import timedelta
 from typing import Optional
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import AllToAllOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
+from megatron_dilocox.compression.auth import derive_key
 from megatron_dilocox.compression.collective import Collective
 from megatron_dilocox.config import PARALLEL_LAYOUT_ARGS, DiLoCoXConfig
 from megatron_dilocox.net.membership import Heartbeat, Membership, PeerLostError
@@ -176,6 +177,8 @@ class InterClusterGroup(Collective):
         self.rank, self.size = m.members.index(self.cluster), len(m.members)
         self.pg = ProcessGroupGloo(PrefixStore(f"pg/{self.session}/e{m.epoch}", self.base), self.rank, self.size,
                                    self.timeout)
+        # every member of this gloo group met under this session and epoch: one payload key for all of them
+        self.key = derive_key(self.cfg.secret, f"{self.session}/e{m.epoch}") if self.cfg.payload_auth else None
         self._prove_members()
 
     def _prove_members(self):
@@ -324,6 +327,12 @@ class InterClusterGroup(Collective):
         buf = buf.clone()
         self.pg.allreduce([buf]).wait()
         return buf
+
+    def _all_to_all(self, pieces, sizes_in):
+        out = torch.empty(sum(sizes_in), dtype=torch.uint8)
+        self.pg.alltoall_base(out, torch.cat(pieces), list(sizes_in), [p.numel() for p in pieces],
+                              AllToAllOptions()).wait()
+        return list(torch.split(out, list(sizes_in)))
 
     def _broadcast(self, buf, src):
         buf = buf.clone()

@@ -22,7 +22,7 @@ def agree(sync):
     and against on every site (``outer_lr``)."""
     mine = torch.tensor([float(sync.token_budget), float(sync.tokens_per_step), float(sync.train_iters or 0)],
                         dtype=torch.float64)
-    plans = [t.view(torch.float64).tolist() for t in sync.group.all_gather(mine.view(torch.uint8))]
+    plans = [t.view(torch.float64).tolist() for t in sync.group.all_gather(mine.view(torch.uint8), (0, 0, "budget"))]
     sync.budget_total = sum(p[0] for p in plans)
     sync.tokens_per_global_step = sum(p[1] for p in plans)
     sync.run_iters_global = int(max(p[2] for p in plans)) or None

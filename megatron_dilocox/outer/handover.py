@@ -18,6 +18,7 @@ from megatron_dilocox.outer.nesterov import OuterNesterov
 
 _HEADER = ("round", "iteration", "h", "rank", "has_momentum", "has_deltas", "next_rank", "peer_comm_seconds",
            "peer_step_seconds", "num_clusters", "tau", "q_rank", "peer_seconds_per_byte")
+HEAD, STATE = (0, 0, "handover-head"), (0, 0, "handover")  # tag contexts (the key is the new epoch's)
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -30,22 +31,23 @@ def send(sync, result: ExchangeResult, iteration: int):
     values = [result.round, iteration, sync.h, sync.codec.rank, buf is not None, result.deltas is not None,
               result.next_rank, result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters, sync.tau,
               sync.codec.q[0].shape[-1] if sync.codec.q else 0, result.peer_seconds_per_byte]
-    sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=src)
+    sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=src, context=HEAD)
     parts = list(sync.anchor) + (list(buf) if buf is not None else []) + list(sync.codec.q) + list(result.deltas or [])
-    sync.group.broadcast(_flat(parts), src=src)
+    sync.group.broadcast(_flat(parts), src=src, context=STATE)
 
 
 def receive(sync) -> ExchangeResult:
     """(Joiner) take the members' state; returns round t's committed result, to be applied as they do."""
     src = getattr(sync.group, "handover_src", 0)
-    head = dict(zip(_HEADER, sync.group.broadcast(torch.zeros(len(_HEADER), dtype=torch.float64), src=src).tolist()))
+    head = dict(zip(_HEADER, sync.group.broadcast(torch.zeros(len(_HEADER), dtype=torch.float64), src=src,
+                                                  context=HEAD).tolist()))
     codec = sync.codec
     rank = int(head["rank"])  # 0: the matrices travel whole; Q keeps the last rank's warm start (q_rank)
     q_shapes = [(len(g.members), g.cols, int(head["q_rank"])) for g in codec.groups]
     numels = [p.numel() for p in sync.params]
     sizes = numels * (1 + int(head["has_momentum"])) + [b * c * r for b, c, r in q_shapes]
     sizes += numels if head["has_deltas"] else []
-    flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=src)
+    flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=src, context=STATE)
     pieces = iter(torch.split(flat, sizes))
     shapes = [p.shape for p in sync.params]
     sync.anchor = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]

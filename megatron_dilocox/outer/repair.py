@@ -38,7 +38,8 @@ def fetch(sync, result, mine: int):
     reference = max(hashes, key=lambda h: (hashes.count(h), -hashes.index(h)))
     src = hashes.index(reference)
     sent0, recv0 = group.counter.sent, group.counter.received
-    flat = group.broadcast(torch.cat([t.detach().reshape(-1).cpu() for t in _state(sync)]), src=src)
+    flat = group.broadcast(torch.cat([t.detach().reshape(-1).cpu() for t in _state(sync)]), src=src,
+                           context=(result.round, sync.fragment, "repair"))
     result.bytes_sent += group.counter.sent - sent0
     result.bytes_received += group.counter.received - recv0
     result.repaired = [group.cluster_of(g) for g, h in enumerate(hashes) if h != reference]

@@ -50,6 +50,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_dilocox.compression.auth import ForgedPayload
 from megatron_dilocox.compression.codec import ExchangeResult, PayloadError, PseudoGradientCodec
 from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
@@ -87,6 +88,7 @@ class DiLoCoXSync:
         self.device = self.params[0].device
         self.outer_device = torch.device("cpu") if config.outer_state_device == "cpu" else self.device
         self.codec = PseudoGradientCodec([p.shape for p in self.params], config, device=self.device)
+        self.codec.fragment = fragment  # (its messages' tags name the fragment)
         self.delayed = config.overlap != "none"  # one-step-delay or eager: the exchange overlaps the next round
         # a synchronous round cannot hide its transfer, so only an overlapped one is sized to the link
         self.link_budget = config.link_budget and self.delayed and config.adaptive_rank
@@ -136,9 +138,11 @@ class DiLoCoXSync:
         if self.group.joining:
             return self.join()
         flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
-        self.start_broadcast = not self._same_everywhere(flat)  # the same --seed: every cluster has it
+        same, same_size = self._same_everywhere(flat)  # the same --seed: every cluster has it
+        # (another size is another model: round 1's header check refuses it, naming the difference)
+        self.start_broadcast = not same and same_size
         if self.start_broadcast:
-            flat = self.group.broadcast(flat, src=0)
+            flat = self.group.broadcast(flat, src=0, context=(0, self.fragment, "start"))
             for p, v in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
                 p.copy_(v.view_as(p))
         self.anchor = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
@@ -151,12 +155,15 @@ class DiLoCoXSync:
         self._last_hook = time.perf_counter()
         return self
 
-    def _same_everywhere(self, flat: torch.Tensor) -> bool:
-        """True when every cluster already holds bitwise these values (one 32-byte digest each): then the
-        start needs no broadcast, which for a 107B model over 1 Gbit/s would take about an hour."""
+    def _same_everywhere(self, flat: torch.Tensor) -> tuple[bool, bool]:
+        """Whether every cluster already holds bitwise these values (one 32-byte digest each: then the start
+        needs no broadcast, which for a 107B model over 1 Gbit/s would take about an hour), and whether every
+        cluster holds as many."""
         digest = hashlib.sha256(flat.cpu().contiguous().view(torch.uint8).numpy().data).digest()
-        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-        return all(torch.equal(d, mine) for d in self.group.all_gather(mine))
+        mine = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8),
+                          torch.tensor([flat.numel()], dtype=torch.int64).view(torch.uint8)])
+        theirs = self.group.all_gather(mine, (0, self.fragment, "start-digest"))
+        return all(torch.equal(d, mine) for d in theirs), all(torch.equal(d[32:], mine[32:]) for d in theirs)
 
     @torch.no_grad()
     def join(self):
@@ -327,6 +334,9 @@ class DiLoCoXSync:
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
             except PayloadError as exc:
                 result, outcome = None, f"refused:{exc}"
+            except ForgedPayload as exc:  # (compression/auth.py) the sender is lost for this round
+                result, outcome = None, f"forged:{exc.sender}:{exc}"
+                log.error("%s", exc)
             except Exception as exc:  # transport: a peer died, a link dropped, a timeout
                 result, outcome = None, "fail"
                 log.warning("DiLoCoX round %d: exchange failed on cluster %d: %s", round_idx,
@@ -341,7 +351,7 @@ class DiLoCoXSync:
             if verdict["action"] == "retry" and self.cfg.cluster_id not in verdict["members"]:
                 verdict = dict(verdict, action="stop", lost=[self.cfg.cluster_id],
                                reason=f"the other clusters went on without this one (cluster {self.cfg.cluster_id}: "
-                                      f"its link or heartbeat was lost for too long); restart it to rejoin")
+                                      f"{verdict['reason']}); restart it to rejoin")
             if verdict["action"] == "retry":
                 log.warning("DiLoCoX round %d: %s; retrying with clusters %s", round_idx, verdict["reason"],
                             verdict["members"])

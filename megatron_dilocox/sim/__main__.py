@@ -35,6 +35,9 @@ HELP = {
     "lowrank": "low-rank compression", "lowrank_basis": "local or shared (--dilocox-lowrank-basis)", "overlap": "eager, one-step-delay or none",
     "outer_momentum": "outer momentum (0: no momentum buffer)", "outer_state_device": "cpu or param",
     "allreduce_bits": "gradient bits of the AllReduce baseline: 32 (fp32) or 16 (bf16)",
+    "scheme": "summable payloads between clusters: reduce-scatter + all-gather (about 2(C-1)/C of a payload "
+              "per cluster), all-gather ((C-1)x), or auto (reduce-scatter from 3 clusters on)",
+    "payload_auth": "an HMAC-SHA256 tag (32 bytes) on every message between clusters",
 }
 
 # The paper's setup (Qi et al. 2025, arXiv 2506.21263) as far as we could confirm it, the rest assumed.
@@ -83,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
             ap.add_argument(flag, choices=["eager", "one-step-delay", "none"], default=f.default, help=HELP[f.name])
         elif f.name == "lowrank_basis":
             ap.add_argument(flag, choices=["local", "shared"], default=f.default, help=HELP[f.name])
+        elif f.name == "scheme":
+            ap.add_argument(flag, choices=["auto", "all-gather", "reduce-scatter"], default=f.default,
+                            help=HELP[f.name])
         elif f.name == "outer_state_device":
             ap.add_argument(flag, choices=["cpu", "param"], default=f.default, help=HELP[f.name])
         else:
@@ -132,6 +138,12 @@ def report(args, out: dict) -> str:
         unit = "step" if k == "allreduce" else "round"
         sent = f"{_gb(v['bytes_per_cluster'])}/{unit}" if "bytes_per_cluster" in v else "-"
         lines.append(f"{k:<10}{v['tokens_per_s']:>12,.1f}{sec:>12.2f}{comm:>12.1f}{exp:>12.1f}{sent:>16}")
+    if s.clusters > 1:
+        sc = out["schemes"]
+        lines.append(f"exchange schemes (in use: {out['scheme']}{', tagged' if s.payload_auth else ''}): " + "; ".join(
+            f"{k} {_gb(v['bytes_per_cluster'])}/round, exposed {v['exposed_seconds']:.0f} s, "
+            f"{v['compression_vs_dense_fp32']:.1f}x below dense fp32, {v['tokens_per_s']:,.0f} tokens/s"
+            for k, v in sc.items()))
     lines.append(f"DiLoCoX compression vs dense fp32: {m['dilocox']['compression_vs_dense_fp32']:,.0f}x;"
                  f" DiLoCo speedup vs AllReduce: {out['diloco_speedup_vs_allreduce']:.1f}x")
     if out["views_rank_too_large"]:

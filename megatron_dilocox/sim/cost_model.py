@@ -28,6 +28,9 @@ from typing import Optional
 
 HEADER_BYTES = 80  # codec.HEADER_BYTES: 10 float64 values
 SCALE_BYTES = 4  # one fp32 scale per quantization block
+TAG_BYTES = 32  # compression/auth.py: an HMAC-SHA256 tag per message
+SUMMABLE_BITS = (4, 8, 16, 32)  # compression/scatter.py
+HMAC_BYTES_PER_S = 1.7e9  # HMAC-SHA256 on one core: 1734 MB/s measured here (scripts/bench/tag_cost.py)
 
 
 def payload_bytes(numel: int, bits: int, block: int) -> int:
@@ -45,6 +48,34 @@ def allgather_bytes(size: int, clusters: int) -> int:
 
 def allreduce_bytes(size: int, clusters: int) -> int:
     return 2 * (clusters - 1) * size // clusters
+
+
+def chunk_bounds(numel: int, parts: int, bits: int, block: int) -> list[int]:
+    """compression/scatter.py's chunks: ``parts`` runs of whole quantization blocks."""
+    unit = block if bits in (1, 4, 8) else 1
+    blocks = -(-numel // unit)
+    return [min(numel, (blocks * j // parts) * unit) for j in range(parts + 1)]
+
+
+def scatter_bytes(numels: list[int], bits: int, block: int, clusters: int, member: int = 0,
+                  tagged: bool = False) -> int:
+    """Bytes member ``member`` sends in one reduce-scatter + all-gather of pieces of ``numels`` values:
+    about 2 (C-1)/C of one payload (compression/scatter.py's closed form)."""
+    if clusters <= 1:
+        return 0
+    bounds = [chunk_bounds(n, clusters, bits, block) for n in numels]
+    size = [sum(payload_bytes(b[j + 1] - b[j], bits, block) for b in bounds) for j in range(clusters)]
+    return (sum(size[j] for j in range(clusters) if j != member) + (clusters - 1) * size[member]
+            + (2 * (clusters - 1) * TAG_BYTES if tagged else 0))
+
+
+def scheme_at(bits: int, clusters: int, choice: str = "auto", tagged: bool = False) -> str:
+    """codec.scheme_at: reduce-scatter from 3 clusters on (auto), and for fp32 whenever messages are tagged."""
+    if clusters <= 1 or bits not in SUMMABLE_BITS:
+        return "all-gather"
+    if choice == "auto":
+        return "reduce-scatter" if clusters >= 3 or (bits == 32 and tagged) else "all-gather"
+    return "reduce-scatter" if choice == "all-gather" and bits == 32 and tagged else choice
 
 
 @dataclass
@@ -90,6 +121,8 @@ class Setup:
     outer_momentum: float = 0.3  # the package's default under overlap (DiLoCoXConfig.resolved_outer_momentum)
     outer_state_device: str = "cpu"  # or "param"
     allreduce_bits: int = 32  # gradient dtype of the AllReduce baseline (32 or 16)
+    scheme: str = "auto"  # summable payloads: "all-gather", "reduce-scatter" or auto (codec.scheme_at)
+    payload_auth: bool = True  # a tag on every message (compression/auth.py)
 
     @property
     def gpus_per_cluster(self) -> int:
@@ -214,19 +247,42 @@ def rank_payload(shapes: list[tuple], rank: int, bits: int, block: int, min_dim:
             too_small += rank > min(key)  # the codec refuses such a rank (DiLoCoXConfigError)
         else:
             whole += numel(sh)
+    if not rank:  # the link budget's rank 0: every matrix whole, phase 1 alone (the codec's slabs)
+        n1 = [b * r * c for (r, c), b in groups.items()] + ([whole] if whole else [])
+        return {"p1": sum(payload_bytes(n, bits, block) for n in n1), "p2": 0, "n1": n1, "n2": [],
+                "numel": sum(numel(sh) for sh in shapes), "whole_numel": whole, "groups": 0, "q_numel": 0,
+                "rank_too_large": 0}
     p1 = sum(payload_bytes(b * r * rank, bits, block) for (r, _), b in groups.items())
     p1 += payload_bytes(whole, bits, block) if whole else 0
     p2 = sum(payload_bytes(b * c * rank, bits, block) for (_, c), b in groups.items())
     p2 += 4 * (rank + 1) if groups else 0
-    return {"p1": p1, "p2": p2, "numel": sum(numel(sh) for sh in shapes), "whole_numel": whole, "groups": len(groups),
+    return {"p1": p1, "p2": p2, "n1": [b * r * rank for (r, _), b in groups.items()] + ([whole] if whole else []),
+            "n2": [b * c * rank for (_, c), b in groups.items()],
+            "numel": sum(numel(sh) for sh in shapes), "whole_numel": whole, "groups": len(groups),
             "q_numel": sum(b * c * rank for (_, c), b in groups.items()), "rank_too_large": too_small}
 
 
-def exchange_bytes(p1: int, p2: int, bits: int, clusters: int, gathered: bool = False) -> int:
+def exchange_bytes(p1: int, p2: int, bits: int, clusters: int, gathered: bool = False, tagged: bool = False,
+                   scheme: str = "all-gather", pieces: Optional[dict] = None, block: int = 128) -> int:
     """Bytes one rank sends in one round: header all-gather, then phase 1 and phase 2 (one all-gather of both
-    for the local low-rank basis: ``gathered``; fp32 payloads are otherwise all-reduced)."""
-    coll = allreduce_bytes if bits == 32 and not gathered else allgather_bytes
-    return allgather_bytes(HEADER_BYTES, clusters) + coll(p1, clusters) + (coll(p2, clusters) if p2 else 0)
+    for the local low-rank basis: ``gathered``); by ``scheme`` otherwise: all-gather (fp32 untagged: all-reduce)
+    or reduce-scatter + all-gather of the pieces ``pieces`` (rank_payload's n1 / n2; the phase-2 statistics by
+    all-gather). ``tagged``: a tag on every message."""
+    tag = TAG_BYTES if tagged else 0
+    header = allgather_bytes(HEADER_BYTES + tag, clusters)
+    if clusters <= 1:
+        return 0
+    if gathered:
+        return header + allgather_bytes(p1 + p2 + tag, clusters)
+    if scheme == "reduce-scatter":
+        total = header + scatter_bytes(pieces["n1"], bits, block, clusters, tagged=tagged)
+        if pieces["n2"]:
+            stats = p2 - sum(payload_bytes(n, bits, block) for n in pieces["n2"])
+            total += scatter_bytes(pieces["n2"], bits, block, clusters, tagged=tagged) + \
+                allgather_bytes(stats + tag, clusters)
+        return total
+    coll = allreduce_bytes if bits == 32 else (lambda n, c: allgather_bytes(n + tag, c))
+    return header + coll(p1, clusters) + (coll(p2, clusters) if p2 else 0)
 
 
 def round_bytes(s: Setup, views: Optional[list] = None) -> dict:
@@ -236,7 +292,9 @@ def round_bytes(s: Setup, views: Optional[list] = None) -> dict:
     for mult, views in views if views is not None else rank_views(s):
         p = rank_payload(views, s.rank, s.bits, s.block, s.min_dim, s.lowrank)
         local = bool(p["groups"]) and s.lowrank_basis == "local"
-        total += mult * exchange_bytes(p["p1"], p["p2"], s.bits, s.clusters, gathered=local)
+        total += mult * exchange_bytes(p["p1"], p["p2"], s.bits, s.clusters, gathered=local, tagged=s.payload_auth,
+                                       scheme=scheme_at(s.bits, s.clusters, s.scheme, s.payload_auth),
+                                       pieces=p, block=s.block)
         dense += mult * allreduce_bytes(4 * p["numel"], s.clusters)
         owned += mult * p["numel"]
         if p["numel"] > max_numel:
@@ -268,10 +326,15 @@ def allreduce_step_seconds(grad_bytes: float, s: Setup) -> float:
 
 
 def dilocox_comm_seconds(s: Setup, rb: dict) -> float:
-    """Transfer time of one round: all ranks' bytes over the shared link, plus one latency per ring hop."""
-    gathered = s.bits != 32 or (s.lowrank and s.lowrank_basis == "local")
-    hops = (s.clusters - 1) * (rb["phases"] if gathered else 1 + 2 * (rb["phases"] - 1))
-    return link_seconds(rb["dilocox"], s, hops)
+    """Transfer time of one round: all ranks' bytes over the shared link, plus one latency per ring hop, plus
+    (authenticated) sealing what each rank sends and verifying what it receives at HMAC_BYTES_PER_S."""
+    local = s.lowrank and s.lowrank_basis == "local"
+    scatter = not local and scheme_at(s.bits, s.clusters, s.scheme, s.payload_auth) == "reduce-scatter"
+    gathered = s.bits != 32 or local
+    hops = (s.clusters - 1) * (1 + 2 * (rb["phases"] - 1) if scatter or not gathered else rb["phases"])
+    # every rank seals and verifies its own share, on its own core, in its exchange thread
+    tags = 2 * rb["dilocox"] / (HMAC_BYTES_PER_S * s.gpus_per_cluster) if s.payload_auth and s.clusters > 1 else 0.0
+    return link_seconds(rb["dilocox"], s, hops) + tags
 
 
 def memory(s: Setup, rb: dict) -> dict:
@@ -307,6 +370,15 @@ def predict(s: Setup) -> dict:
     t_x = dilocox_comm_seconds(s, rb)
     hidden = s.h * t_step
     exposed = max(0.0, t_x - hidden) if s.overlap != "none" else t_x
+    schemes = {}  # both ways of moving the summable payloads, side by side
+    for name in ("all-gather", "reduce-scatter"):
+        alt = replace(s, scheme=name)
+        alt_rb = round_bytes(alt)
+        t = dilocox_comm_seconds(alt, alt_rb)
+        e = max(0.0, t - hidden) if s.overlap != "none" else t
+        schemes[name] = {"bytes_per_cluster": alt_rb["dilocox"], "comm_seconds": t, "exposed_seconds": e,
+                         "tokens_per_s": s.h * s.global_batch_tokens / (hidden + e),
+                         "compression_vs_dense_fp32": alt_rb["dense_fp32"] / max(alt_rb["dilocox"], 1)}
     methods = {
         "allreduce": {"seconds_per_step": t_step + t_ar, "comm_seconds": t_ar,
                       "bytes_per_cluster": 2 * (s.clusters - 1) * grad_bytes / s.clusters},
@@ -323,7 +395,8 @@ def predict(s: Setup) -> dict:
     methods["ceiling"]["tokens_per_s"] = ceiling
     ar = methods["allreduce"]["tokens_per_s"]
     return {"setup": asdict(s), "params": n, "active_params": active_params(s), "gpus": s.clusters * s.gpus_per_cluster, "step_seconds": t_step,
-            "round_compute_seconds": hidden, "methods": methods, "memory": memory(s, rb),
+            "round_compute_seconds": hidden, "methods": methods, "memory": memory(s, rb), "schemes": schemes,
+            "scheme": scheme_at(s.bits, s.clusters, s.scheme, s.payload_auth),
             "views_rank_too_large": rb["views_rank_too_large"],
             "speedup_vs_allreduce": methods["dilocox"]["tokens_per_s"] / ar,
             "diloco_speedup_vs_allreduce": methods["diloco"]["tokens_per_s"] / ar}
