@@ -15,8 +15,9 @@ At rank 0 (``--dilocox-link-budget`` chose it: the link carries the matrices who
 quantized, in phase 1 alone; Q is kept as the warm start for when a rank returns.
 
 Quantized payloads (4/8/16 bits) travel by all-gather and are summed locally in fp32 in cluster order, so
-no low-precision sum can overflow and every cluster gets bitwise the same Δ; fp32 payloads use a ring
-all-reduce (fewer bytes for C > 2).
+no low-precision sum can overflow and every cluster gets bitwise the same Δ; from three clusters on, those that
+can be summed chunk-wise go by reduce-scatter + all-gather instead (averaging.py, scatter.py); fp32 payloads
+use a ring all-reduce, or the reduce-scatter when messages are authenticated (auth.py: every message tagged).
 
 Weights: the average is Σ_c w_c x_c / Σ_c w_c, w_c the tokens cluster c trained on in the round (its header),
 so a site that trained on more tokens counts for more (docs/algorithm.md#weights). Every cluster computes the
@@ -47,24 +48,21 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_dilocox.compression import adaptive, lowrank
+from megatron_dilocox.compression.auth import TAG_BYTES
+from megatron_dilocox.compression.averaging import ClusterAverage, PayloadError
 from megatron_dilocox.compression.collective import (Collective, allgather_bytes, allreduce_bytes,
                                                      dense_allreduce_bytes)
 from megatron_dilocox.compression.layout import split_layout, unaliased
 from megatron_dilocox.compression.local_basis import LocalBasisExchange
 from megatron_dilocox.compression.norms import EXACT_IN_FP32 as _EXACT_IN_FP32, finite as _finite, sumsq as _sumsq
-from megatron_dilocox.compression.quantize import bytes_as, dequantize, payload_bytes, quantize
-from megatron_dilocox.compression.auth import TAG_BYTES
-from megatron_dilocox.compression.scatter import SUMMABLE_BITS, reduce_scatter_all_gather, sent_bytes
+from megatron_dilocox.compression.quantize import bytes_as, payload_bytes
+from megatron_dilocox.compression.scatter import sent_bytes
 from megatron_dilocox.config import DiLoCoXConfig
 
 MAGIC = 0x44694C6F  # "DiLo"
 HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step_seconds",
                  "seconds_per_byte", "tokens", "state_hash")
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
-
-
-class PayloadError(RuntimeError):
-    """A peer's payload does not match this cluster's round; nothing was applied."""
 
 
 @dataclass
@@ -101,7 +99,7 @@ class ExchangeResult:
     repair: Optional[list] = None  # (this cluster, when repaired) the reference's φ and momentum, flat
 
 
-class PseudoGradientCodec(LocalBasisExchange):
+class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
     def __init__(self, shapes: Sequence[torch.Size], config: DiLoCoXConfig, device="cpu"):
         self.cfg = config
         self.shapes = [torch.Size(s) for s in shapes]
@@ -349,17 +347,6 @@ class PseudoGradientCodec(LocalBasisExchange):
         result.deltas = self._views(out)
         return finish()
 
-    def _weight_scales(self, weights: list) -> Optional[list]:
-        """C·w_c/Σw per member, or None for the plain mean (equal weights, or --dilocox-no-token-weights)."""
-        if not self.cfg.token_weights or len(set(weights)) <= 1:
-            return None
-        total = math.fsum(weights)
-        return [len(weights) * w / total for w in weights]
-
-    def _weighted(self, t: torch.Tensor, member: int) -> torch.Tensor:
-        """Member ``member``'s term of the weighted sum (itself when the weights are equal)."""
-        return t if self._scales is None else t * self._scales[member]
-
     def _check_headers(self, headers, mine, coll: Collective):
         my_rank = coll.cluster_of(coll.rank)
         for g, h in enumerate(headers):
@@ -377,76 +364,6 @@ class PseudoGradientCodec(LocalBasisExchange):
             if not (math.isfinite(float(h[8])) and float(h[8]) > 0):
                 raise PayloadError(f"refused payload: cluster {c} reports {float(h[8])} tokens for its round "
                                    f"(a weight must be positive); nothing was applied")
-
-    def _reduce(self, pieces, raw, coll: Collective, phase: str):
-        """Average ``pieces`` (compressed; weighted) and sum ``raw`` (fp32 as is) over clusters.
-
-        Returns (means, what this cluster transmitted as decoded, raw sums, the requantization error this
-        cluster keeps as error feedback per piece, or None)."""
-        n, C = len(pieces), coll.size
-        if self.scheme(coll) == "reduce-scatter":
-            flat = [p.reshape(-1).float() for p in pieces]
-            means, sent, carry = reduce_scatter_all_gather(flat, coll, self.cfg.quant_bits, self.cfg.quant_block_size,
-                                                           self._scales, self._context(phase))
-            raw_sums = None
-            if raw:  # (small statistics: gathered and summed in member order, exact)
-                for part in coll.all_gather(torch.cat([r.float() for r in raw]), self._context(phase + "-stats")):
-                    raw_sums = part.clone() if raw_sums is None else raw_sums + part
-                raw_sums = list(torch.split(raw_sums, [r.numel() for r in raw]))
-            shape = [p.shape for p in pieces]
-            return ([m.view(s) for m, s in zip(means, shape)], [t.view(s) for t, s in zip(sent, shape)], raw_sums or [],
-                    None if carry is None else [c.view(s) for c, s in zip(carry, shape)])
-        if self.cfg.quant_bits == 32:
-            flat = [p.reshape(-1).float() for p in pieces]
-            weighted = [self._weighted(f, coll.rank) for f in flat]
-            total = coll.all_reduce_sum(torch.cat(weighted + [r.float() for r in raw]))
-            parts = list(torch.split(total, [f.numel() for f in flat] + [r.numel() for r in raw]))
-            sent = flat
-        else:
-            parts, sent = None, None
-            for c, decoded in self._gathered(pieces, raw, coll, phase):
-                terms = [self._weighted(d, c) for d in decoded[:n]] + decoded[n:]  # (raw sums are statistics)
-                parts = terms if parts is None else [a + b for a, b in zip(parts, terms)]
-                if c == coll.rank:
-                    sent = decoded[:n]
-        means = [(s / C).view(p.shape) for s, p in zip(parts[:n], pieces)]
-        sent = [s.view(p.shape) for s, p in zip(sent, pieces)]
-        return means, sent, parts[n:], None
-
-    def scheme(self, coll: Collective) -> str:
-        return self.scheme_at(coll.size, coll.authenticated)
-
-    def scheme_at(self, clusters: int, authenticated: bool) -> str:
-        """How this round's summable payloads travel: "reduce-scatter" (compression/scatter.py) or "all-gather"
-        (fp32 unauthenticated: a ring all-reduce). auto: reduce-scatter from three clusters on (fewer bytes; at
-        two the bytes are equal and the all-gather needs no second quantization), and for fp32 whenever the
-        messages are authenticated (an all-reduce cannot carry the senders' tags)."""
-        bits, choice = self.cfg.quant_bits, self.cfg.exchange_scheme
-        if clusters <= 1 or bits not in SUMMABLE_BITS:
-            return "all-gather"
-        if choice == "auto":
-            return "reduce-scatter" if clusters >= 3 or (bits == 32 and authenticated) else "all-gather"
-        if choice == "all-gather" and bits == 32 and authenticated:
-            return "reduce-scatter"  # (the fp32 all-reduce cannot be authenticated; the same bytes, exact)
-        return choice
-
-    def _context(self, kind: str) -> tuple:
-        return (self._round, self.fragment, kind)
-
-    def _gathered(self, pieces, raw, coll: Collective, phase: str = "payload"):
-        """All-gather ``pieces`` (quantized at --dilocox-quant-bits) and ``raw`` (fp32); yield (cluster index,
-        its decoded flat pieces + raw) in cluster order, so that any sum over them is the same everywhere."""
-        bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
-        flat = [p.reshape(-1).float() for p in pieces]
-        sizes = [f.numel() for f in flat]
-        payload = torch.cat([quantize(f, bits, block) for f in flat] + [r.float().view(torch.uint8) for r in raw])
-        nbytes = [payload_bytes(n, bits, block) for n in sizes] + [4 * r.numel() for r in raw]
-        for c, buf in enumerate(coll.all_gather(payload, self._context(phase))):
-            if buf.numel() != sum(nbytes):
-                raise PayloadError(f"refused payload: cluster {coll.cluster_of(c)} sent {buf.numel()} bytes, expected {sum(nbytes)}")
-            chunks = torch.split(buf, nbytes)
-            decoded = [dequantize(ch, n, bits, block) for ch, n in zip(chunks[:len(flat)], sizes)]
-            yield c, decoded + [bytes_as(ch, torch.float32) for ch in chunks[len(flat):]]
 
     # ---------------------------------------------------------------------------------- state
     @property
