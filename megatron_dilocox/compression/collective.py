@@ -11,8 +11,8 @@ all-reduce of fp32, the baseline that plain data parallelism would pay for the s
 Authentication (compression/auth.py): a group with a ``key`` seals every message given a ``context``
 (round, fragment, kind) with a tag naming its sender and receiver, and verifies every message it receives
 before returning it; the tag's bytes are counted like the payload's. An all-reduce mixes the senders' bytes, so
-it cannot be authenticated: a keyed group refuses one with a context (the codec sends fp32 by reduce-scatter
-and all-gather instead, compression/scatter.py).
+it cannot be authenticated: the codec sends fp32 by reduce-scatter and all-gather instead when the group is
+keyed (compression/scatter.py).
 """
 from __future__ import annotations
 
@@ -72,11 +72,7 @@ class Collective:
         if sealed:
             out = seal(self.key, context, me, -1, out)
         self.counter.add(allgather_bytes(out.numel() * out.element_size(), self.size))
-        t0 = time.perf_counter()
-        try:
-            got = self._all_gather(out)
-        finally:
-            self.counter.seconds += time.perf_counter() - t0
+        got = self._timed(self._all_gather, out)
         if not sealed:
             return got
         return [buf if g == self.rank else self._open(context, g, -1, m, buf).view(buf.dtype).view(buf.shape)
@@ -94,11 +90,7 @@ class Collective:
             sizes_in = [n if g == self.rank else n + TAG_BYTES for g, n in enumerate(sizes_in)]
         self.counter.sent += sum(p.numel() for j, p in enumerate(pieces) if j != self.rank)
         self.counter.received += sum(n for g, n in enumerate(sizes_in) if g != self.rank)
-        t0 = time.perf_counter()
-        try:
-            got = self._all_to_all(pieces, sizes_in)
-        finally:
-            self.counter.seconds += time.perf_counter() - t0
+        got = self._timed(self._all_to_all, pieces, sizes_in)
         if not sealed:
             return got
         return [m if g == self.rank else self._open(context, g, me, m, None) for g, m in enumerate(got)]
@@ -131,15 +123,17 @@ class Collective:
             if forged:
                 raise forged[0]
 
-    def all_reduce_sum(self, buf: torch.Tensor, context: Optional[tuple] = None) -> torch.Tensor:
-        """Elementwise sum over members; bitwise identical on every member."""
-        if self.authenticated and context is not None:
-            raise ValueError("an all-reduce mixes the members' bytes and cannot be authenticated: "
-                             "use reduce-scatter and all-gather (compression/scatter.py)")
+    def all_reduce_sum(self, buf: torch.Tensor) -> torch.Tensor:
+        """Elementwise sum over members; bitwise identical on every member. Never authenticated (it mixes the
+        members' bytes): the codec uses it only for untagged fp32 (averaging.py: ``scheme_at``)."""
         self.counter.add(allreduce_bytes(buf.numel() * buf.element_size(), self.size))
+        return self._timed(self._all_reduce_sum, buf)
+
+    def _timed(self, fn, *args):
+        """``fn(*args)``, its wall time added to the counter (the wire, and any wait for a peer)."""
         t0 = time.perf_counter()
         try:
-            return self._all_reduce_sum(buf)
+            return fn(*args)
         finally:
             self.counter.seconds += time.perf_counter() - t0
 
@@ -157,11 +151,7 @@ class Collective:
             self.counter.sent += (self.size - 1) * n
         else:
             self.counter.received += n
-        t0 = time.perf_counter()
-        try:
-            got = self._broadcast(flat, src)
-        finally:
-            self.counter.seconds += time.perf_counter() - t0
+        got = self._timed(self._broadcast, flat, src)
         if not sealed or self.rank == src:
             return got if not sealed else buf.clone()
         return unseal(self.key, context, self.cluster_of(src), -1, got).view(buf.dtype).view(buf.shape)

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from megatron_dilocox.compression.auth import TAG_BYTES
-from megatron_dilocox.compression.quantize import bytes_as, dequantize, payload_bytes, quantize
+from megatron_dilocox.compression.quantize import dequantize, payload_bytes, quantize
 
 SUMMABLE_BITS = (4, 8, 16, 32)  # 1-bit signs are averaged by all-gather (an average of signs is not a sign)
 
@@ -38,14 +38,6 @@ def chunk_bounds(numel: int, parts: int, bits: int, block: int) -> list[int]:
     unit = block if bits in (1, 4, 8) else 1
     blocks = -(-numel // unit)
     return [min(numel, (blocks * j // parts) * unit) for j in range(parts + 1)]
-
-
-def _encode(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    return quantize(x, bits, block)
-
-
-def _decode(buf: torch.Tensor, n: int, bits: int, block: int) -> torch.Tensor:
-    return bytes_as(buf, torch.float32).clone() if bits == 32 else dequantize(buf, n, bits, block)
 
 
 def sent_bytes(numels: list[int], clusters: int, member: int, bits: int, block: int, tagged: bool) -> int:
@@ -68,11 +60,11 @@ def reduce_scatter_all_gather(flats: list[torch.Tensor], coll, bits: int, block:
     C, me = coll.size, coll.rank
     bounds = [chunk_bounds(f.numel(), C, bits, block) for f in flats]
     segments = [[f[b[j]:b[j + 1]] for j in range(C)] for f, b in zip(flats, bounds)]
-    encoded = [[_encode(s, bits, block) for s in segs] for segs in segments]
+    encoded = [[quantize(s, bits, block) for s in segs] for segs in segments]
     mine_in = sum(e[me].numel() for e in encoded)
     got = coll.all_to_all([torch.cat([e[j] for e in encoded]) for j in range(C)], [mine_in] * C,
                           context=(*context, "reduce-scatter"))
-    sent = [torch.cat([_decode(e[j], s[j].numel(), bits, block) for j in range(C)])
+    sent = [torch.cat([dequantize(e[j], s[j].numel(), bits, block) for j in range(C)])
             for e, s in zip(encoded, segments)]
     owned = []  # this cluster's chunk of every piece: the weighted mean of the members' decoded chunks
     offsets = [0] * C
@@ -81,11 +73,11 @@ def reduce_scatter_all_gather(flats: list[torch.Tensor], coll, bits: int, block:
         for g in range(C):
             part = got[g][offsets[g]:offsets[g] + e[me].numel()]
             offsets[g] += e[me].numel()
-            value = _decode(part, n, bits, block)
+            value = dequantize(part, n, bits, block)
             value = value if scales is None else value * scales[g]
             total = value if total is None else total + value
         owned.append(total / C)
-    owned_q = [_encode(o, bits, block) for o in owned]
+    owned_q = [quantize(o, bits, block) for o in owned]
     mine = torch.cat(owned_q)
     sizes_in = [sum(payload_bytes(b[g + 1] - b[g], bits, block) for b in bounds) for g in range(C)]
     back = coll.all_to_all([mine] * C, sizes_in, context=(*context, "all-gather"))
@@ -95,7 +87,7 @@ def reduce_scatter_all_gather(flats: list[torch.Tensor], coll, bits: int, block:
         parts = []
         for g in range(C):
             k = payload_bytes(b[g + 1] - b[g], bits, block)
-            parts.append(_decode(back[g][offsets[g]:offsets[g] + k], b[g + 1] - b[g], bits, block))
+            parts.append(dequantize(back[g][offsets[g]:offsets[g] + k], b[g + 1] - b[g], bits, block))
             offsets[g] += k
         means.append(torch.cat(parts))
         if bits != 32:
