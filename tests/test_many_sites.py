@@ -132,3 +132,36 @@ def test_a_payload_replayed_from_an_earlier_round_is_refused(tmp_path):
         assert torch.equal(torch.cat([a.reshape(-1) for a in res[(c, 0)]["final_anchor"]]),
                            torch.cat([a.reshape(-1) for a in res[(c, 0)]["anchors"][0]]))
     assert any("DiLoCoX round 2: refused the phase1 message from cluster 0" in w for w in res[(1, 0)]["warnings"])
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_chunk_owner_killed_mid_exchange_is_a_lost_peer(tmp_path, policy):
+    """C = 4, reduce-scatter: cluster 2's process is SIGKILLed as soon as round 2's reduce-scatter has handed it the
+    other members' pieces of its chunks, before it sends their average back (the others are in the all-gather,
+    waiting for its chunk). Nobody hangs: the membership protocol settles the round as it does for any lost peer.
+    stop: the survivors drop round 2 and stop naming cluster 2, φ as round 1 left it on all three. continue: the
+    three survivors redo round 2 without cluster 2 (each now owns a third of the chunks) and apply every round,
+    their hashes equal every round."""
+    C = 4
+    res = train_clusters(C, may_die=(2,), steps=8, metrics_dir=str(tmp_path), same_init=True,
+                         die_in_all_to_all=(2, 3),  # calls 1-2: round 1's reduce-scatter and all-gather
+                         dilocox=dilocox_spec(C, h=2, overlap="none", on_peer_failure=policy, timeout_seconds=10,
+                                              **WHOLE))
+    assert (2, 0) not in res
+    survivors = (0, 1, 3)
+    rows = {c: read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in survivors}
+    if policy == "stop":
+        for c in survivors:
+            out = res[(c, 0)]
+            assert out["error"] and "lost cluster(s) 2" in out["error"], (c, out["error"])
+            assert [r["status"] for r in rows[c]][0] == "applied" and rows[c][-1]["round"] == 2
+            assert rows[c][-1]["status"].startswith("stopped: lost cluster(s) 2"), rows[c][-1]["status"]
+            assert torch.equal(torch.cat([a.reshape(-1) for a in out["final_anchor"]]),
+                               torch.cat([a.reshape(-1) for a in out["anchors"][0]]))  # round 1's φ
+    else:
+        for c in survivors:
+            assert res[(c, 0)]["error"] is None, (c, res[(c, 0)]["error"])
+            assert [r["status"] for r in rows[c]] == ["applied"] * 4, rows[c]
+            assert [r["num_clusters"] for r in rows[c]] == [4, 3, 3, 3]
+            assert [r["global_model_hash"] for r in rows[c]] == [r["global_model_hash"] for r in rows[0]]
+        assert res[(0, 0)]["final_hash"] == res[(1, 0)]["final_hash"] == res[(3, 0)]["final_hash"]

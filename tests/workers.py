@@ -155,6 +155,22 @@ class ReplayingGroup(InterClusterGroup):
         return out
 
 
+class DyingOwnerGroup(InterClusterGroup):
+    """The real gloo group, whose process on cluster ``die_cluster`` SIGKILLs itself as soon as its ``at_call``-th
+    all-to-all has returned: with the reduce-scatter exchange, a chunk owner that holds the other members' pieces
+    of its chunks and dies before it sends their average back (the others wait for it in the all-gather)."""
+
+    die_cluster, at_call, calls = -1, 0, 0
+
+    def _all_to_all(self, pieces, sizes_in):
+        out = super()._all_to_all(pieces, sizes_in)
+        if self.cluster == DyingOwnerGroup.die_cluster:
+            DyingOwnerGroup.calls += 1
+            if DyingOwnerGroup.calls == DyingOwnerGroup.at_call:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+
 class RecordingGroup(InterClusterGroup):
     """The real gloo group, keeping what every all-to-all returned (the verified payloads, tags removed)."""
 
@@ -184,10 +200,12 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     store = connect_store(cfg, host_store=(cluster == 0 and local_rank == 0))
     group_cls = SlowGroup if spec.get("slow_gather") else FlakyGroup if spec.get("fail_gather") else \
         CorruptingGroup if spec.get("corrupt_payload") else ReplayingGroup if spec.get("replay_payload") is not None \
-        else RecordingGroup if spec.get("record_all_to_all") else InterClusterGroup
+        else RecordingGroup if spec.get("record_all_to_all") else DyingOwnerGroup if spec.get("die_in_all_to_all") \
+        else InterClusterGroup
     CorruptingGroup.to_cluster, CorruptingGroup.at_call, *rest = spec.get("corrupt_payload", (-1, 0))
     CorruptingGroup.from_cluster = rest[0] if rest else None
     ReplayingGroup.to_cluster = spec.get("replay_payload", -1)
+    DyingOwnerGroup.die_cluster, DyingOwnerGroup.at_call = spec.get("die_in_all_to_all", (-1, 0))
     SlowGroup.delay = spec.get("slow_gather", 0.0)
     FlakyGroup.fail_cluster, FlakyGroup.fail_at = spec.get("fail_gather", (-1, 0))
     fingerprint = dict(spec.get("fingerprint", {}), **spec.get("fingerprint_by_cluster", {}).get(str(cluster), {}))

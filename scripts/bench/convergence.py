@@ -1,11 +1,12 @@
 """Convergence at equal tokens on real Megatron: AllReduce vs DiLoCo variants vs DiLoCoX, at fixed H.
 
 The main job's small GPT (4 layers, hidden 128, seq 128; ``gpt_flags`` in megatron_dilocox/harness/main_job.py),
-PP ``--pp`` (default 1: one process per cluster; the loss arithmetic does not depend on PP), 2 clusters,
-everything on loopback (no shaped link: this measures loss, not speed). Equal tokens per iteration:
+PP ``--pp`` (default 1: one process per cluster; the loss arithmetic does not depend on PP), C = ``--clusters``
+clusters (default 2), everything on loopback (no shaped link: this measures loss, not speed). Equal tokens per
+iteration:
 
-  allreduce    ONE Megatron world, DP2 (2 x pp processes), global batch 16, reading train_all
-  every other  2 clusters x global batch 8, each on its own shard (train_c0, train_c1), with
+  allreduce    ONE Megatron world, DP C (C x pp processes), global batch 8C, reading train_all
+  every other  C clusters x global batch 8, each on its own shard (train_c0, train_c1, ...), with
                ``--dilocox-h H --dilocox-no-adaptive-h`` (fixed H: comparable and deterministic) plus
                the method's flags from METHODS:
 
@@ -13,7 +14,9 @@ everything on loopback (no shaped link: this measures loss, not speed). Equal to
   diloco_comp  --dilocox-overlap none + the main job's compression (rank 6, int4)
   delay        --dilocox-overlap one-step-delay, no compression
   dilocox      the product's defaults (one-step delay, adaptive rank) + the main job's compression
-  isolated     2 clusters x global batch 8, no DiLoCoX at all: each trains alone on its shard (the mean of
+  int4_rs      the product's defaults, matrices whole in int4 (no low rank), reduce-scatter exchange
+  int4_ag      the same, all-gather exchange (int4_rs vs int4_ag: what the owners' requantization costs)
+  isolated     C clusters x global batch 8, no DiLoCoX at all: each trains alone on its shard (the mean of
                their validation losses): what a second cluster is worth is the gap from here to AllReduce
 
 ``--methods a,b,c`` picks from the table; ``--extra-method NAME='--dilocox-... ...'`` (repeatable) adds or
@@ -54,17 +57,19 @@ from megatron_dilocox.metrics import read_rows  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 SEQ = 128
-CLUSTERS = 2
-CLUSTER_BATCH = 8  # per cluster (gpt_flags); AllReduce: CLUSTERS x this in one world
-TOKENS_PER_ITER = CLUSTERS * CLUSTER_BATCH * SEQ  # every method, all clusters together
+CLUSTER_BATCH = 8  # per cluster (gpt_flags); AllReduce: --clusters x this in one world
+EVAL_BATCH = 16  # every method evaluates the same 16 samples per evaluation batch, whatever --clusters
 COMPRESSION = ["--dilocox-lowrank-rank", "6", "--dilocox-lowrank-min-dim", "64", "--dilocox-quant-bits", "4"]
 NO_COMPRESSION = ["--dilocox-no-lowrank", "--dilocox-quant-bits", "32"]
+INT4_WHOLE = ["--dilocox-no-lowrank", "--dilocox-quant-bits", "4"]
 METHODS: dict[str, list[str] | None] = {  # name -> extra --dilocox flags (None: the AllReduce baseline)
     "allreduce": None,
     "diloco": ["--dilocox-overlap", "none", *NO_COMPRESSION],
     "diloco_comp": ["--dilocox-overlap", "none", *COMPRESSION],
     "delay": ["--dilocox-overlap", "one-step-delay", *NO_COMPRESSION],
     "dilocox": list(COMPRESSION),
+    "int4_rs": [*INT4_WHOLE, "--dilocox-exchange-scheme", "reduce-scatter"],
+    "int4_ag": [*INT4_WHOLE, "--dilocox-exchange-scheme", "all-gather"],
     "isolated": None,
 }
 DEFAULT_METHODS = "allreduce,diloco,diloco_comp,delay,dilocox"
@@ -105,18 +110,18 @@ NO_ROUNDS = dict(rounds=0, bytes_per_round=None, bytes_total=None, dense_fp32_pe
 
 
 def run_allreduce(a, flags, out):
-    """One Megatron world, DP2: the synchronous data-parallel baseline at the same tokens per iteration."""
-    flags = flags + ["--global-batch-size", str(CLUSTERS * CLUSTER_BATCH),
+    """One Megatron world, DP = --clusters: the synchronous data-parallel baseline at the same tokens per iteration."""
+    flags = flags + ["--global-batch-size", str(a.clusters * CLUSTER_BATCH),
                      "--train-data-path", f"{a.data}/train_all_text_document"]
     t0 = time.time()
-    codes, logs = run(1, CLUSTERS * a.pp, flags, dilocox_args=None, timeout=a.timeout, echo=a.echo,
+    codes, logs = run(1, a.clusters * a.pp, flags, dilocox_args=None, timeout=a.timeout, echo=a.echo,
                       echo_filter=r"validation loss at", env={"WANDB_MODE": "offline"})
     wall = time.time() - t0
     if any(codes):
         fail("allreduce", codes, logs)
     curve, final = validation(logs[0])
     return dict(method="allreduce", H=None, flags=None, wall_seconds=round(wall, 1),
-                valid_curve=[(it, it * TOKENS_PER_ITER, v) for it, v in curve], final_valid_loss=final,
+                valid_curve=[(it, it * a.tokens_per_iter, v) for it, v in curve], final_valid_loss=final,
                 valid_by_cluster=None, train_loss={"0": sorted(logs[0].losses.items())},
                 **NO_ROUNDS)
 
@@ -124,16 +129,16 @@ def run_allreduce(a, flags, out):
 def run_isolated(a, flags, out):
     """Each cluster alone on its shard, plain Megatron (no inter-cluster traffic): the no-communication floor."""
     t0 = time.time()
-    codes, logs = run(CLUSTERS, a.pp, flags, dilocox_args=None, timeout=a.timeout, echo=a.echo,
+    codes, logs = run(a.clusters, a.pp, flags, dilocox_args=None, timeout=a.timeout, echo=a.echo,
                       echo_filter=r"validation loss at", env={"WANDB_MODE": "offline"})
     wall = time.time() - t0
     if any(codes):
         fail("isolated", codes, logs)
     valid = [validation(log) for log in logs]
-    curve = [(it, sum(v[0][i][1] for v in valid) / CLUSTERS) for i, (it, _) in enumerate(valid[0][0])]
+    curve = [(it, sum(v[0][i][1] for v in valid) / a.clusters) for i, (it, _) in enumerate(valid[0][0])]
     return dict(method="isolated", H=None, flags=None, wall_seconds=round(wall, 1),
-                valid_curve=[(it, it * TOKENS_PER_ITER, v) for it, v in curve],
-                final_valid_loss=sum(v[1] for v in valid) / CLUSTERS,
+                valid_curve=[(it, it * a.tokens_per_iter, v) for it, v in curve],
+                final_valid_loss=sum(v[1] for v in valid) / a.clusters,
                 valid_by_cluster={str(c): dict(curve=v[0], final=v[1]) for c, v in enumerate(valid)},
                 train_loss={str(c): sorted(log.losses.items()) for c, log in enumerate(logs)},
                 **NO_ROUNDS)
@@ -142,7 +147,7 @@ def run_isolated(a, flags, out):
 def run_diloco(a, name, extra, h, flags, out):
     mdir = os.path.join(out, f"{name}_h{h}")
     os.makedirs(mdir, exist_ok=True)
-    for c in range(CLUSTERS):  # a rerun into the same folder starts its metrics afresh
+    for c in range(a.clusters):  # a rerun into the same folder starts its metrics afresh
         path = os.path.join(mdir, f"metrics_c{c}.jsonl")
         if os.path.exists(path):
             os.remove(path)
@@ -150,12 +155,12 @@ def run_diloco(a, name, extra, h, flags, out):
           "--dilocox-seed", str(a.seed), *extra,
           "--dilocox-metrics-file", os.path.join(mdir, "metrics_c{cluster}.jsonl")]
     t0 = time.time()
-    codes, logs = run(CLUSTERS, a.pp, flags, dilocox_args=dl, timeout=a.timeout, echo=a.echo,
+    codes, logs = run(a.clusters, a.pp, flags, dilocox_args=dl, timeout=a.timeout, echo=a.echo,
                       echo_filter=r"validation loss at|Traceback", env={"WANDB_MODE": "offline"})
     wall = time.time() - t0
     if any(codes):
         fail(f"{name} H={h}", codes, logs)
-    rows = [r for c in range(CLUSTERS) for r in read_rows(os.path.join(mdir, f"metrics_c{c}.jsonl"))]
+    rows = [r for c in range(a.clusters) for r in read_rows(os.path.join(mdir, f"metrics_c{c}.jsonl"))]
     last = {}  # (round, fragment, cluster) -> row (a replayed round appears twice; keep the last)
     for r in rows:
         last[(r["round"], r.get("fragment", 0), r["cluster"])] = r
@@ -167,7 +172,7 @@ def run_diloco(a, name, extra, h, flags, out):
     valid = [validation(log) for log in logs]
     curve, final = valid[0]
     return dict(method=name, H=h, flags=dl[:-2], wall_seconds=round(wall, 1),
-                valid_curve=[(it, it * TOKENS_PER_ITER, v) for it, v in curve], final_valid_loss=final,
+                valid_curve=[(it, it * a.tokens_per_iter, v) for it, v in curve], final_valid_loss=final,
                 valid_by_cluster={str(c): dict(curve=v[0], final=v[1]) for c, v in enumerate(valid)},
                 train_loss={str(c): sorted(log.losses.items()) for c, log in enumerate(logs)},
                 rounds=len(rounds), bytes_sent_per_round=per_round, bytes_total=sum(per_round),
@@ -309,6 +314,9 @@ def main(argv=None):
     ap.add_argument("--eval-interval", type=int, default=None, help="default 100; --quick 20")
     ap.add_argument("--eval-iters", type=int, default=None, help="batches of 16 per evaluation (default 10; --quick 5)")
     ap.add_argument("--log-interval", type=int, default=None, help="train-loss logging interval (default 10; --quick 5)")
+    ap.add_argument("--clusters", type=int, default=2, help="clusters (AllReduce: one world of this many DP "
+                    "replicas); the corpus is sharded this many ways, so a folder prepared for another count is "
+                    "re-sharded: give --data its own folder")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages per cluster (processes per cluster)")
     ap.add_argument("--model-flags", default="", help="extra Megatron flags for every method, e.g. MoE: "
                     "'--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01'")
@@ -321,6 +329,9 @@ def main(argv=None):
     ap.add_argument("--quiet", action="store_true", help="do not echo the validation lines as they arrive")
     a = ap.parse_args(argv)
     a.echo = not a.quiet
+    if a.clusters < 1:
+        raise SystemExit(f"--clusters must be at least 1, got {a.clusters}")
+    a.tokens_per_iter = a.clusters * CLUSTER_BATCH * SEQ  # every method, all clusters together
     iters = a.iters or (60 if a.quick else 1000)
     hs = [int(x) for x in (a.hs or ("10" if a.quick else "10,50")).split(",") if x]
     a.methods = a.methods or ("allreduce,diloco,dilocox" if a.quick else DEFAULT_METHODS)
@@ -338,20 +349,20 @@ def main(argv=None):
 
     from megatron_dilocox.data.prepare import prepare
     kw = {} if a.corpus == "kjv" else {"corpus": a.corpus}  # pydoc: prepare(..., corpus=) from data/prepare.py
-    prepare(a.data, num_clusters=CLUSTERS, **kw)
+    prepare(a.data, num_clusters=a.clusters, **kw)
 
     flags = gpt_flags(a.data, iters, 1, a.pp) + shlex.split(a.model_flags) + [
         "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters),
-        "--eval-global-batch-size", str(CLUSTERS * CLUSTER_BATCH), "--log-interval", str(log_interval),
+        "--eval-global-batch-size", str(EVAL_BATCH), "--log-interval", str(log_interval),
         "--seed", str(a.seed)]
-    print(f"# convergence: {iters} iterations, {TOKENS_PER_ITER} tokens/iteration per method, H {hs}, "
-          f"methods {names}, corpus {a.corpus}, PP{a.pp}, out {out}", flush=True)
+    print(f"# convergence: {iters} iterations, {a.tokens_per_iter} tokens/iteration per method, H {hs}, "
+          f"methods {names}, corpus {a.corpus}, {a.clusters} clusters, PP{a.pp}, out {out}", flush=True)
     results, t_all, prov = [], time.time(), provenance()
 
     def save():
         meta = dict(iters=iters, hs=hs, methods={n: methods[n] for n in names}, corpus=a.corpus, data=a.data,
-                    pp=a.pp, seed=a.seed, eval_interval=eval_interval, eval_iters=eval_iters,
-                    tokens_per_iteration=TOKENS_PER_ITER, tokens_per_method=iters * TOKENS_PER_ITER,
+                    clusters=a.clusters, pp=a.pp, seed=a.seed, eval_interval=eval_interval, eval_iters=eval_iters,
+                    tokens_per_iteration=a.tokens_per_iter, tokens_per_method=iters * a.tokens_per_iter,
                     megatron_flags=flags, model_flags=a.model_flags, wall_seconds=round(time.time() - t_all, 1), quick=a.quick)
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(dict(meta=meta, results=results, **prov), f, indent=1)
