@@ -121,22 +121,26 @@ def test_allreduce_time_is_ring_formula_every_step():
 
 def test_slow_link_ordering_dilocox_diloco_allreduce():
     s = replace(SMALL, link_gbps=0.01, h=50, tokens_per_gpu_s=2000.0)
-    m = predict(s)["methods"]
-    assert m["dilocox"]["exposed_seconds"] == 0.0
-    assert m["ceiling"]["tokens_per_s"] == pytest.approx(m["dilocox"]["tokens_per_s"])
-    assert m["dilocox"]["tokens_per_s"] > m["diloco"]["tokens_per_s"] > m["allreduce"]["tokens_per_s"]
+    out = predict(s)
+    m = out["methods"]
+    assert m["dilocox"]["exposed_seconds"] == 0.0  # only the boundary's own work is left exposed
+    assert m["dilocox"]["seconds_per_round"] == pytest.approx(out["round_compute_seconds"] + out["boundary"]["seconds"])
+    assert m["ceiling"]["tokens_per_s"] > m["dilocox"]["tokens_per_s"] > m["diloco"]["tokens_per_s"] > \
+        m["allreduce"]["tokens_per_s"]
     # synchronous (overlap none) DiLoCoX still beats dense DiLoCo, and one-step-delay hides what it can
-    none = predict(replace(s, overlap="none"))["methods"]["dilocox"]
+    none_out = predict(replace(s, overlap="none"))
+    none = none_out["methods"]["dilocox"]
     assert m["diloco"]["tokens_per_s"] < none["tokens_per_s"] <= m["dilocox"]["tokens_per_s"]
-    assert none["exposed_seconds"] == pytest.approx(none["comm_seconds"])
+    assert none["exposed_seconds"] == pytest.approx(none["comm_seconds"] + none_out["boundary"]["exchange_thread_seconds"])
 
 
 def test_exposed_communication_is_what_h_steps_do_not_hide():
     s = replace(SMALL, link_gbps=0.001, h=1, tokens_per_gpu_s=2000.0)
     out = predict(s)
-    x = out["methods"]["dilocox"]
-    assert x["exposed_seconds"] == pytest.approx(x["comm_seconds"] - out["step_seconds"])
-    assert x["seconds_per_round"] == pytest.approx(x["comm_seconds"])
+    x, b = out["methods"]["dilocox"], out["boundary"]
+    exchange = x["comm_seconds"] + b["exchange_thread_seconds"]  # the transfer and the exchange thread's hash
+    assert x["exposed_seconds"] == pytest.approx(exchange - out["step_seconds"])
+    assert x["seconds_per_round"] == pytest.approx(exchange + b["seconds"]) and x["boundary_seconds"] == b["seconds"]
 
 
 def test_memory_of_outer_state():
@@ -152,6 +156,77 @@ def test_memory_of_outer_state():
     assert predict(replace(s, overlap="one-step-delay"))["memory"]["cpu_bytes"] == 12 * n
     on_gpu = predict(replace(s, outer_state_device="param", overlap="none", outer_momentum=0.0))["memory"]
     assert on_gpu["cpu_bytes"] == 0 and on_gpu["gpu_bytes"] == 16 * n - 4 * whole + on_gpu["q"]  # anchor + codec slabs
+
+
+# ------------------------------------------------------------------------------ the round boundary's own work
+RATES = dict(host_copy_gb_s=10.0, host_elementwise_gb_s=20.0, host_first_touch_gb_s=5.0, sha256_gb_s=2.0,
+             node_memory_gb_s=1000.0, gpus_per_node=8, pcie_gb_s=25.0)
+
+
+def test_boundary_seconds_are_the_closed_form():
+    """Outer state on the CPU, eager, landing apart: every part from the stated rates, in seconds per GB of one
+    fp32 copy of the rank's state (B = 4n bytes). A GPU-host copy: max(B/PCIe, 2B/copy, 3B/node share) = 0.2."""
+    from megatron_dilocox.sim.boundary import boundary_seconds
+    s = replace(SMALL, outer_state_device="cpu", overlap="eager", outer_momentum=0.3, **RATES)
+    rb = round_bytes(s)
+    gb = 4 * rb["max_rank_numel"] / 1e9
+    b = boundary_seconds(s, rb, lands_apart=True)
+    move, fresh, sha, copy, elem = 0.2, 1 / 5, 1 / 2, 1 / 10, 1 / 20
+    expected = {"pseudo_gradient": move,  # round_start to the GPU
+                "outer_step": move + fresh + 11 * elem + fresh,  # Δ to the host (fresh), Nesterov (u fresh)
+                "global_model_hash": 2 * copy + fresh + sha,  # tobytes, sha256
+                "local_start": move + fresh + 18 * elem + 4 * fresh + 2 * move,  # δ to the host, c's step, φ + c back
+                "round_start": move + fresh,  # θ to the host
+                "landing": 2 * move + 2 * copy}  # φ and round_start to the GPU; round_start <- φ
+    assert b["parts"] == pytest.approx({k: v * gb for k, v in expected.items()})
+    assert b["seconds"] == pytest.approx(5.75 * gb)
+    assert b["exchange_thread_seconds"] == pytest.approx(2 * 0.9 * gb)  # φ and the momentum hashed
+    assert b["pcie_bytes"] == pytest.approx(8 * gb * 1e9)  # 1 + 1 + 3 + 1 + 2 copies of the state
+    # a node whose memory the ranks share at 1 GB/s each binds every host rate, and a copy moves 3 B through it
+    tight = boundary_seconds(replace(s, node_memory_gb_s=8.0), rb, lands_apart=True)
+    assert tight["seconds"] == pytest.approx((3 + 16 + 4 + 32 + 4 + 8) * gb)
+    # the round landing at the boundary (τ = H) skips the landing's recombination; one-step-delay: θ = φ − δ
+    assert boundary_seconds(s, rb, lands_apart=False)["parts"]["landing"] == 0.0
+    assert boundary_seconds(replace(s, overlap="one-step-delay"), rb)["parts"]["local_start"] == pytest.approx(move * gb)
+    # overlap none: δ, the outer step, the hash, θ <- φ
+    none = boundary_seconds(replace(s, overlap="none"), rb)
+    assert none["seconds"] == pytest.approx((move + 1.15 + 0.9 + move) * gb)
+
+
+def test_boundary_outer_state_on_the_gpu_copies_only_for_the_hashes():
+    """outer_state_device param: δ, the outer step and θ stay on the GPU (not counted); what is left is the
+    hashes, which read φ (and the momentum) on the host: one GPU-host copy each, no other PCIe traffic."""
+    from megatron_dilocox.sim.boundary import boundary_seconds
+    s = replace(SMALL, outer_state_device="param", **RATES)
+    rb = round_bytes(s)
+    gb = 4 * rb["max_rank_numel"] / 1e9
+    b = boundary_seconds(s, rb, lands_apart=True)
+    assert {k: v for k, v in b["parts"].items() if k != "global_model_hash"} == dict.fromkeys(
+        ["pseudo_gradient", "outer_step", "local_start", "round_start", "landing"], 0.0)
+    assert b["parts"]["global_model_hash"] == pytest.approx((0.2 + 1 / 5 + 0.9) * gb)
+    assert b["pcie_bytes"] == pytest.approx(gb * 1e9)
+    assert b["exchange_thread_seconds"] == pytest.approx(2 * 1.3 * gb)
+    assert b["seconds"] < boundary_seconds(replace(s, outer_state_device="cpu"), rb)["seconds"]
+
+
+def test_predict_adds_the_boundary_to_every_round():
+    from megatron_dilocox.sim.boundary import boundary_seconds
+    for link, apart in ((0.01, True), (0.0001, False)):  # the exchange hides (lands τ < H) or outlasts the round
+        s = replace(SMALL, link_gbps=link, h=20, tokens_per_gpu_s=2000.0, **RATES)
+        out, rb = predict(s), round_bytes(s)
+        m, hidden = out["methods"], out["round_compute_seconds"]
+        b = boundary_seconds(s, rb, lands_apart=apart)
+        assert out["boundary"] == b and m["dilocox"]["boundary_seconds"] == b["seconds"] > 0
+        exchange = m["dilocox"]["comm_seconds"] + b["exchange_thread_seconds"]
+        assert m["dilocox"]["exposed_seconds"] == pytest.approx(max(0.0, exchange - hidden))
+        assert m["dilocox"]["seconds_per_round"] == pytest.approx(hidden + m["dilocox"]["exposed_seconds"] + b["seconds"])
+        sc = out["schemes"][out["scheme"]]
+        assert sc["boundary_seconds"] == b["seconds"] and sc["tokens_per_s"] == pytest.approx(m["dilocox"]["tokens_per_s"])
+        # DiLoCo: this package's boundary at overlap none, the exchange (and its hash) not hidden
+        d = boundary_seconds(replace(s, overlap="none"), rb)
+        assert m["diloco"]["boundary_seconds"] == d["seconds"]
+        assert m["diloco"]["seconds_per_round"] == pytest.approx(
+            hidden + m["diloco"]["comm_seconds"] + d["exchange_thread_seconds"] + d["seconds"])
 
 
 # ------------------------------------------------------------------------------ planner
@@ -193,6 +268,8 @@ def test_cli_paper_text_ends_with_speedup_line():
     assert re.fullmatch(r"speedup_vs_allreduce: \d+(\.\d+)?", out[-1])
     assert float(out[-1].split(": ")[1]) == pytest.approx(predict(_paper_setup())["speedup_vs_allreduce"], abs=0.05)
     assert any("[assumed]" in line for line in out) and any("confirmed" in line for line in out)
+    assert any(re.match(r"round boundary \(busiest rank, outer state on cpu, host work\): [\d.]+ s/round exposed", line)
+               for line in out)
 
 
 def test_cli_json_and_flags():

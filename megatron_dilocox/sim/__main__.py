@@ -38,13 +38,20 @@ HELP = {
     "scheme": "summable payloads between clusters: reduce-scatter + all-gather (about 2(C-1)/C of a payload "
               "per cluster), all-gather ((C-1)x), or auto (reduce-scatter from 3 clusters on)",
     "payload_auth": "an HMAC-SHA256 tag (32 bytes) on every message between clusters",
+    "gpus_per_node": "GPUs (ranks) per node: they share the node's memory bandwidth at the round boundary",
+    "host_copy_gb_s": "one core's host copy rate, GB/s read + written (scripts/bench/boundary_cost.py)",
+    "host_elementwise_gb_s": "one core's fp32 elementwise rate (the outer step), GB/s read + written",
+    "host_first_touch_gb_s": "one core's rate of paging in fresh host tensors, GB/s of the tensor",
+    "sha256_gb_s": "one core's sha256 rate, GB/s (the per-round hashes of the outer state)",
+    "node_memory_gb_s": "a node's host memory bandwidth, GB/s read + written (typical, not measured)",
+    "pcie_gb_s": "GPU-host DMA rate per GPU, GB/s (typical H100 PCIe Gen5 x16, not measured)",
 }
 
 # The paper's setup (Qi et al. 2025, arXiv 2506.21263) as far as we could confirm it, the rest assumed.
 PAPER = dict(hidden=8192, layers=80, ffn=47104, vocab=152064, heads=64, kv_heads=8, swiglu=True,
              tied_embeddings=False, bias=False, clusters=2, tp=1, pp=8, dp=10, distributed_optimizer=True,
              peak_tflops=312.0, mfu=0.4, global_batch_tokens=2 * 80 * 2048, link_gbps=1.0, latency_ms=10.0,
-             h=100, rank=32, bits=4, block=128, allreduce_bits=32)
+             h=100, rank=32, bits=4, block=128, allreduce_bits=32, gpus_per_node=8, pcie_gb_s=25.0)
 PAPER_NOTES = [
     ("confirmed (abstract)", "107B-parameter model pre-trained over a 1 Gbps network; 357x speedup vs vanilla"
                              " AllReduce"),
@@ -58,6 +65,9 @@ PAPER_NOTES = [
     ("assumed", "AllReduce baseline: fp32 gradient ring all-reduce over the 1 Gbps link every step, not overlapped"),
     ("assumed", "H=100, rank 32, int4 blocks of 128 (this package's README example, not the paper's values);"
                 " 10 ms latency per hop"),
+    ("assumed", "round boundary: A800 on PCIe Gen4 x16 (~25 GB/s), 400 GB/s of host memory per 8-GPU node (typical"
+                " figures); one core's copy, elementwise, page-in and sha256 rates as measured on this repository's"
+                " CI host (sim/boundary.py)"),
 ]
 
 
@@ -144,6 +154,10 @@ def report(args, out: dict) -> str:
             f"{k} {_gb(v['bytes_per_cluster'])}/round, exposed {v['exposed_seconds']:.0f} s, "
             f"{v['compression_vs_dense_fp32']:.1f}x below dense fp32, {v['tokens_per_s']:,.0f} tokens/s"
             for k, v in sc.items()))
+    b, parts = out["boundary"], ", ".join(f"{k} {v:.2f}" for k, v in out["boundary"]["parts"].items())
+    lines.append(f"round boundary (busiest rank, outer state on {s.outer_state_device}, host work): {b['seconds']:.2f}"
+                 f" s/round exposed ({parts}; {_gb(b['pcie_bytes'])} over PCIe), + {b['exchange_thread_seconds']:.2f} s"
+                 f" in the exchange thread (state hash); DiLoCo: {m['diloco']['boundary_seconds']:.2f} s")
     lines.append(f"DiLoCoX compression vs dense fp32: {m['dilocox']['compression_vs_dense_fp32']:,.0f}x;"
                  f" DiLoCo speedup vs AllReduce: {out['diloco_speedup_vs_allreduce']:.1f}x")
     if out["views_rank_too_large"]:
@@ -169,8 +183,8 @@ def report(args, out: dict) -> str:
         lines += [f"  [{tag}] {text}" for tag, text in PAPER_NOTES]
         ar, x = m["allreduce"], m["dilocox"]
         lines.append(f"arithmetic: AllReduce step = T_step + 2(C-1)/C * 4N bytes / 125 MB/s = {out['step_seconds']:.2f}"
-                     f" + {ar['comm_seconds']:.0f} s; DiLoCoX step = T_step + exposed/H = {out['step_seconds']:.2f} +"
-                     f" {x['exposed_seconds'] / s.h:.2f} s; speedup = {ar['seconds_per_step']:.0f} /"
+                     f" + {ar['comm_seconds']:.0f} s; DiLoCoX step = T_step + (exposed + boundary)/H = {out['step_seconds']:.2f}"
+                     f" + {(x['exposed_seconds'] + x['boundary_seconds']) / s.h:.2f} s; speedup = {ar['seconds_per_step']:.0f} /"
                      f" {x['seconds_per_round'] / s.h:.2f} = {out['speedup_vs_allreduce']:.1f}"
                      " (~ 1 + T_AR/T_step, independent of N; scales with MFU x GPUs / (batch x bandwidth))")
         for label, kw in (("bf16 AllReduce", {"allreduce_bits": 16}), ("MFU 0.3", {"mfu": 0.3}),

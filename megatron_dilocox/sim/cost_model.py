@@ -14,8 +14,9 @@ header, phase 1 and phase 2 travel as all-gathers ((C-1)*S bytes sent) or, at 32
 
     AllReduce : every step T_step + dense gradient all-reduce (fp32 or bf16)
     DiLoCo    : every H steps a dense fp32 pseudo-gradient all-reduce, not overlapped
-    DiLoCoX   : every H steps the compressed exchange; one-step-delay exposes max(0, T_comm - H T_step)
+    DiLoCoX   : every H steps the compressed exchange; one-step-delay exposes max(0, T_exchange - H T_step)
     ceiling   : no communication at all
+and both pay the round boundary's own host work every round; T_exchange = T_comm + its thread's hash (boundary.py).
 
 No torch and no megatron import here: ``payload_bytes`` re-implements ``compression.quantize.payload_bytes``
 (tests check that both agree, and that the per-rank sums equal the codec's ``payload_sizes``).
@@ -25,6 +26,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
+
+from megatron_dilocox.sim.boundary import (HOST_COPY_GB_S, HOST_ELEMENTWISE_GB_S, HOST_FIRST_TOUCH_GB_S, NODE_MEMORY_GB_S,
+                                           PCIE_GB_S, SHA256_GB_S, exchange_and_boundary)
 
 HEADER_BYTES = 80  # codec.HEADER_BYTES: 10 float64 values
 SCALE_BYTES = 4  # one fp32 scale per quantization block
@@ -123,6 +127,14 @@ class Setup:
     allreduce_bits: int = 32  # gradient dtype of the AllReduce baseline (32 or 16)
     scheme: str = "auto"  # summable payloads: "all-gather", "reduce-scatter" or auto (codec.scheme_at)
     payload_auth: bool = True  # a tag on every message (compression/auth.py)
+    # the round boundary's host work (boundary.py): one core's rates, the node's memory, PCIe per GPU
+    gpus_per_node: int = 8
+    host_copy_gb_s: float = HOST_COPY_GB_S
+    host_elementwise_gb_s: float = HOST_ELEMENTWISE_GB_S
+    host_first_touch_gb_s: float = HOST_FIRST_TOUCH_GB_S
+    sha256_gb_s: float = SHA256_GB_S
+    node_memory_gb_s: float = NODE_MEMORY_GB_S
+    pcie_gb_s: float = PCIE_GB_S
 
     @property
     def gpus_per_cluster(self) -> int:
@@ -364,28 +376,30 @@ def predict(s: Setup) -> dict:
     # AllReduce: dense gradients of every owned tensor, every step
     grad_bytes = rb["owned_numel"] * s.allreduce_bits / 8
     t_ar = allreduce_step_seconds(grad_bytes, s)
-    # DiLoCo: dense fp32 pseudo-gradient every H steps, blocking
+    # DiLoCo: dense fp32 pseudo-gradient every H steps, blocking (this package's boundary at overlap none)
     t_diloco = link_seconds(rb["dense_fp32"], s, 2 * (s.clusters - 1))
-    # DiLoCoX: compressed exchange every H steps
+    e_diloco, b_diloco = exchange_and_boundary(replace(s, overlap="none"), rb, t_diloco, t_step)
+    # DiLoCoX: compressed exchange every H steps, then the boundary's own work
     t_x = dilocox_comm_seconds(s, rb)
+    exposed, bnd = exchange_and_boundary(s, rb, t_x, t_step)
     hidden = s.h * t_step
-    exposed = max(0.0, t_x - hidden) if s.overlap != "none" else t_x
     schemes = {}  # both ways of moving the summable payloads, side by side
     for name in ("all-gather", "reduce-scatter"):
         alt = replace(s, scheme=name)
         alt_rb = round_bytes(alt)
         t = dilocox_comm_seconds(alt, alt_rb)
-        e = max(0.0, t - hidden) if s.overlap != "none" else t
+        e, b = exchange_and_boundary(alt, alt_rb, t, t_step)
         schemes[name] = {"bytes_per_cluster": alt_rb["dilocox"], "comm_seconds": t, "exposed_seconds": e,
-                         "tokens_per_s": s.h * s.global_batch_tokens / (hidden + e),
+                         "boundary_seconds": b["seconds"], "tokens_per_s": s.h * b_step / (hidden + e + b["seconds"]),
                          "compression_vs_dense_fp32": alt_rb["dense_fp32"] / max(alt_rb["dilocox"], 1)}
     methods = {
         "allreduce": {"seconds_per_step": t_step + t_ar, "comm_seconds": t_ar,
                       "bytes_per_cluster": 2 * (s.clusters - 1) * grad_bytes / s.clusters},
-        "diloco": {"seconds_per_round": hidden + t_diloco, "comm_seconds": t_diloco, "exposed_seconds": t_diloco,
+        "diloco": {"seconds_per_round": hidden + e_diloco + b_diloco["seconds"], "comm_seconds": t_diloco,
+                   "exposed_seconds": e_diloco, "boundary_seconds": b_diloco["seconds"],
                    "bytes_per_cluster": rb["dense_fp32"]},
-        "dilocox": {"seconds_per_round": hidden + exposed, "comm_seconds": t_x, "exposed_seconds": exposed,
-                    "bytes_per_cluster": rb["dilocox"],
+        "dilocox": {"seconds_per_round": hidden + exposed + bnd["seconds"], "comm_seconds": t_x,
+                    "exposed_seconds": exposed, "boundary_seconds": bnd["seconds"], "bytes_per_cluster": rb["dilocox"],
                     "compression_vs_dense_fp32": rb["dense_fp32"] / max(rb["dilocox"], 1)},
         "ceiling": {"seconds_per_step": t_step},
     }
@@ -396,6 +410,7 @@ def predict(s: Setup) -> dict:
     ar = methods["allreduce"]["tokens_per_s"]
     return {"setup": asdict(s), "params": n, "active_params": active_params(s), "gpus": s.clusters * s.gpus_per_cluster, "step_seconds": t_step,
             "round_compute_seconds": hidden, "methods": methods, "memory": memory(s, rb), "schemes": schemes,
+            "boundary": bnd,
             "scheme": scheme_at(s.bits, s.clusters, s.scheme, s.payload_auth),
             "views_rank_too_large": rb["views_rank_too_large"],
             "speedup_vs_allreduce": methods["dilocox"]["tokens_per_s"] / ar,
