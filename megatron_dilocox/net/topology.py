@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Optional
 
 import torch
-from torch.distributed import AllToAllOptions, PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from megatron_dilocox.compression.auth import derive_key
 from megatron_dilocox.compression.collective import Collective
@@ -329,10 +329,22 @@ class InterClusterGroup(Collective):
         return buf
 
     def _all_to_all(self, pieces, sizes_in):
-        out = torch.empty(sum(sizes_in), dtype=torch.uint8)
-        self.pg.alltoall_base(out, torch.cat(pieces), list(sizes_in), [p.numel() for p in pieces],
-                              AllToAllOptions()).wait()
-        return list(torch.split(out, list(sizes_in)))
+        """Pairwise exchange: in step k each member sends to member +k and receives from member -k, so every
+        access link carries one flow each way at a time. (Gloo's all-to-all posts every send at once: C-1 flows
+        into each site's downlink, which on a shaped link with a WAN-sized queue lost packets and took twice
+        the transfer time: docs/algorithm.md#reduce-scatter-exchange.)"""
+        out = [torch.empty(n, dtype=torch.uint8) for n in sizes_in]
+        out[self.rank] = pieces[self.rank].clone()
+        for k in range(1, self.size):
+            dst, src = (self.rank + k) % self.size, (self.rank - k) % self.size
+            work = []
+            if pieces[dst].numel():
+                work.append(self.pg.send([pieces[dst].contiguous()], dst, k))
+            if sizes_in[src]:
+                work.append(self.pg.recv([out[src]], src, k))
+            for w in work:
+                w.wait()
+        return out
 
     def _broadcast(self, buf, src):
         buf = buf.clone()

@@ -87,13 +87,13 @@ def curve(log):
     return sorted(log.losses.items())
 
 
-def cluster_run(wan, name, flags, dilocox, out, clusters=2, timeout=3600):
-    """Run every cluster in its own namespace; return (logs, metrics rows)."""
+def cluster_run(wan, name, flags, dilocox, out, clusters=2, timeout=3600, nproc=2):
+    """Run every cluster (``nproc`` processes) in its own namespace; return (logs, metrics rows, wall seconds)."""
     mdir = os.path.join(out, name)
     os.makedirs(mdir, exist_ok=True)
     dl = None if dilocox is None else dilocox + ["--dilocox-metrics-file", os.path.join(mdir, "metrics_c{cluster}.jsonl")]
     t0 = time.time()
-    codes, logs = run(clusters, 2, flags, dilocox_args=dl, timeout=timeout, echo=False,
+    codes, logs = run(clusters, nproc, flags, dilocox_args=dl, timeout=timeout, echo=False,
                       prefix_by_cluster={c: wan.prefix(c) for c in range(clusters)},
                       env_by_cluster={c: GLOO_IF for c in range(clusters)}, rendezvous_host=wan.addr(0))
     if any(codes):
