@@ -137,9 +137,11 @@ class Collective:
         finally:
             self.counter.seconds += time.perf_counter() - t0
 
-    def broadcast(self, buf: torch.Tensor, src: int = 0, context: Optional[tuple] = None) -> torch.Tensor:
+    def broadcast(self, buf: torch.Tensor, src: int = 0, context: Optional[tuple] = None,
+                  timeout: Optional[float] = None) -> torch.Tensor:
         """``buf`` of member ``src`` everywhere (the anchor at start; a repair, outer/sync.py). Counted as the
-        source sending one copy to each other member."""
+        source sending one copy to each other member. ``timeout``: seconds for this transfer instead of the
+        group's (a large state over a slow link: outer/handover.py)."""
         sealed = self.authenticated and context is not None
         flat = buf
         if sealed:  # the source seals; the others receive into a buffer of the same size
@@ -151,7 +153,7 @@ class Collective:
             self.counter.sent += (self.size - 1) * n
         else:
             self.counter.received += n
-        got = self._timed(self._broadcast, flat, src)
+        got = self._timed(self._broadcast, flat, src, timeout)
         if not sealed or self.rank == src:
             return got if not sealed else buf.clone()
         return unseal(self.key, context, self.cluster_of(src), -1, got).view(buf.dtype).view(buf.shape)
@@ -178,7 +180,7 @@ class Collective:
     def _all_reduce_sum(self, buf):
         raise NotImplementedError
 
-    def _broadcast(self, buf, src):
+    def _broadcast(self, buf, src, timeout=None):
         raise NotImplementedError
 
     def _all_to_all(self, pieces, sizes_in):
@@ -194,7 +196,7 @@ class SoloCollective(Collective):
     def _all_reduce_sum(self, buf):
         return buf
 
-    def _broadcast(self, buf, src):
+    def _broadcast(self, buf, src, timeout=None):
         return buf
 
     def _all_to_all(self, pieces, sizes_in):

@@ -346,7 +346,7 @@ class InterClusterGroup(Collective):
                 w.wait()
         return out
 
-    def _broadcast(self, buf, src):
+    def _broadcast(self, buf, src, timeout=None):
         buf = buf.clone()
-        self.pg.broadcast(buf, src).wait()
+        self.pg.broadcast(buf, src, None if timeout is None else timedelta(seconds=max(timeout, 1.0))).wait()
         return buf

@@ -8,6 +8,12 @@ do (at once without overlap, τ steps into its next round with the delay), so fr
 every cluster holds bitwise the same φ. Sent by broadcast from the group's first member that was
 there before the admission (cluster 0, or the lowest surviving id when cluster 0 is the one rejoining)
 over the new epoch's group: first a small fp64 header (sizes depend on the rank), then one fp32 buffer.
+
+The buffer is the whole model's outer state (φ, momentum, Δ_t: three times the model's fp32 bytes), far more
+than a round's compressed payload: over a slow link it may take longer than ``--dilocox-timeout``, which is
+sized for detecting a silent peer (on a 3 Mbit/s link with a 15 s timeout, the 24 MB hand-over of the test model
+timed out on every member and ended the run: scripts/chaos/chaos.py --rate). Its timeout is therefore the
+group's plus four times the transfer at the link rate the rounds measured (the header carries it to the joiner).
 """
 from __future__ import annotations
 
@@ -25,6 +31,12 @@ def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
 
 
+def transfer_timeout(sync, numel: int, seconds_per_byte: float) -> float:
+    """Seconds allowed for broadcasting ``numel`` fp32 values to the group (the source's uplink carries a copy per
+    member): the group's timeout plus four times the transfer at the measured rate."""
+    return sync.cfg.timeout_seconds + 4 * (sync.group.size - 1) * 4 * numel * max(seconds_per_byte, 0.0)
+
+
 def send(sync, result: ExchangeResult, iteration: int):
     """(Members) broadcast the state a joiner needs; called right after the group admitted it."""
     buf, src = sync.outer.buf, getattr(sync.group, "handover_src", 0)
@@ -33,7 +45,9 @@ def send(sync, result: ExchangeResult, iteration: int):
               sync.codec.q[0].shape[-1] if sync.codec.q else 0, result.peer_seconds_per_byte]
     sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=src, context=HEAD)
     parts = list(sync.anchor) + (list(buf) if buf is not None else []) + list(sync.codec.q) + list(result.deltas or [])
-    sync.group.broadcast(_flat(parts), src=src, context=STATE)
+    flat = _flat(parts)
+    sync.group.broadcast(flat, src=src, context=STATE,
+                         timeout=transfer_timeout(sync, flat.numel(), result.peer_seconds_per_byte))
 
 
 def receive(sync) -> ExchangeResult:
@@ -47,7 +61,8 @@ def receive(sync) -> ExchangeResult:
     numels = [p.numel() for p in sync.params]
     sizes = numels * (1 + int(head["has_momentum"])) + [b * c * r for b, c, r in q_shapes]
     sizes += numels if head["has_deltas"] else []
-    flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=src, context=STATE)
+    flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=src, context=STATE,
+                                timeout=transfer_timeout(sync, sum(sizes), head["peer_seconds_per_byte"]))
     pieces = iter(torch.split(flat, sizes))
     shapes = [p.shape for p in sync.params]
     sync.anchor = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]

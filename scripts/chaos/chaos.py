@@ -21,15 +21,27 @@ coordinator" line; rejoin time = restart until the cluster is back in the rounds
                                   launch of its last committed round (lost with the process, not by us)
     final agreement               every cluster ended on the same global-model hash
 
+With ``--rate R`` every cluster runs in its own network namespace behind a shaped link of rate R
+(scripts/wan/wan.py), so an exchange takes a good part of a round and a kill lands inside one: each fault
+records the round the survivors retried, when it was launched, and ``mid_exchange`` (the victim had launched
+that round and died before its collectives ended). E.g. four sites, the reduce-scatter exchange (int4 whole: every
+site owns a quarter of the chunks), each owner killed once:
+
+    python scripts/chaos/chaos.py --clusters 4 --victims 1,2,3 --rate 3mbit \
+        --dilocox-extra '--dilocox-no-lowrank --dilocox-exchange-scheme reduce-scatter'
+
     python scripts/chaos/chaos.py [--quick] [--clusters 2] [--iters 200] [--faults 4] [--seed 0]
-        [--coordinator standalone]
+        [--coordinator standalone] [--rate 3mbit] [--dilocox-extra '--dilocox-...']
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import re
+import shlex
 import secrets
 import signal
 import subprocess
@@ -41,6 +53,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))  # provenance.py
+sys.path.insert(0, os.path.join(REPO, "scripts", "wan"))  # wan.py (--rate)
 
 from megatron_dilocox.harness.launch import start  # noqa: E402
 from megatron_dilocox.harness.spawn import free_port  # noqa: E402
@@ -50,15 +63,20 @@ from megatron_dilocox.net.rendezvous import listening  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 
-def dilocox_flags(out: str, h: int, timeout: float) -> list[str]:
+RETRY = re.compile(r"DiLoCoX round (\d+): .*retrying with clusters")
+
+
+def dilocox_flags(out: str, h: int, timeout: float, extra: str = "") -> list[str]:
     return ["--dilocox-h", str(h), "--dilocox-no-adaptive-h", "--dilocox-lowrank-rank", "8",
             "--dilocox-quant-bits", "4", "--dilocox-on-peer-failure", "continue",
-            "--dilocox-timeout", str(timeout), "--dilocox-metrics-file", f"{out}/metrics_c{{cluster}}.jsonl"]
+            "--dilocox-timeout", str(timeout), "--dilocox-metrics-file", f"{out}/metrics_c{{cluster}}.jsonl",
+            *shlex.split(extra)]
 
 
 class Soak:
-    def __init__(self, a):
+    def __init__(self, a, wan=None):
         self.a = a
+        self.wan = wan  # a WanTestbed (--rate) or None: loopback
         self.prov = provenance()
         self.rng = random.Random(a.seed)
         self.port = free_port()
@@ -66,7 +84,7 @@ class Soak:
         # the fingerprint compares; a commit there mid-soak would make a restarted cluster's version differ
         self.env = {"DILOCOX_SECRET": secrets.token_hex(16), "CUDA_VISIBLE_DEVICES": "", "NO_VCS_VERSION": "1"}
         self.megatron = gpt_flags(a.data, a.iters, 1, 1) + ["--log-interval", "1"]
-        self.dilocox = dilocox_flags(a.out, a.h, a.timeout)
+        self.dilocox = dilocox_flags(a.out, a.h, a.timeout, a.dilocox_extra)
         if a.save_interval:  # each cluster saves (atomically) and a restarted one resumes its own checkpoint
             self.megatron += ["--save", f"{a.out}/ckpt_c{{cluster}}", "--load", f"{a.out}/ckpt_c{{cluster}}",
                               "--save-interval", str(a.save_interval)]
@@ -89,8 +107,12 @@ class Soak:
             time.sleep(0.1)
 
     def launch(self, only=None):
+        where = {} if self.wan is None else dict(
+            prefix_by_cluster={c: self.wan.prefix(c) for c in range(self.a.clusters)},
+            env_by_cluster={c: {"GLOO_SOCKET_IFNAME": "wan0"} for c in range(self.a.clusters)},
+            rendezvous_host=self.wan.addr(0))
         cl = start(self.a.clusters, self.a.nproc, self.megatron, self.dilocox, env=self.env, echo=False,
-                   rendezvous_port=self.port, only=only)
+                   rendezvous_port=self.port, only=only, **where)
         for pos, c in enumerate(only or range(self.a.clusters)):
             self.incarnations.append((c, cl, pos))
         return cl
@@ -202,6 +224,8 @@ class Soak:
         cl.kill(pos, signal.SIGKILL, rank=rank)
         seen = logw.wait_for(lambda log: self.count(log, "retrying with clusters") > n_retry, a.timeout * 3)
         fault["detection_s"] = round(time.monotonic() - t_kill, 1) if seen else None
+        retried = [int(m.group(1)) for m in map(RETRY.search, logw.lines) if m]
+        fault["retried_round"] = retried[n_retry] if seen and len(retried) > n_retry else None
         # read once the survivors retried: every round committed with the victim has its row by then (read
         # before the kill, a round applied a moment later was missed: 105 iterations for 5, just after a rejoin)
         with_victim = [r["launched_at"] for r in self.rows(watcher)
@@ -229,6 +253,11 @@ class Soak:
             time.sleep(0.5)
         fault["rejoined_after_s"] = round(time.monotonic() - t_restart, 1) if back else None
         fault["outcome"] = "survived, rejoined" if back and fault.pop("_seen") else "NOT survived"
+        # the retried round's launch: at or before the victim's last iteration, the victim had launched it and died
+        # while its collectives ran (mid-exchange); after it, the victim died between exchanges
+        launched = [r["launched_at"] for r in self.rows(watcher) if r["round"] == fault.get("retried_round")]
+        fault["retried_round_launched_at"] = launched[-1] if launched else None
+        fault["mid_exchange"] = bool(launched) and launched[-1] <= fault["at_iteration"]
         if a.save_interval:
             loaded = [ln for ln in self.log_of(victim).lines if "successfully loaded checkpoint" in ln]
             fault["resumed_from"] = loaded[-1].split("at iteration")[-1].strip() if loaded else "no checkpoint"
@@ -301,7 +330,8 @@ class Soak:
         detect = [f["detection_s"] for f in self.faults if f["detection_s"] is not None]
         back = [f["rejoined_after_s"] for f in self.faults if f["rejoined_after_s"] is not None]
         summary = {
-            **self.prov, "coordinator": a.coordinator, "clusters": a.clusters,
+            **self.prov, "coordinator": a.coordinator, "clusters": a.clusters, "rate": a.rate,
+            "dilocox_extra": a.dilocox_extra,
             "faults_by_victim": {str(k): sum(f["cluster"] == k for f in self.faults)
                                  for k in list(range(a.clusters)) + ["coordinator"]},
             "faults_by_moment": {m: sum(f.get("moment", "mid-round").startswith(m) for f in self.faults)
@@ -309,6 +339,7 @@ class Soak:
             "detection_s_max": max(detect, default=None), "rejoin_s_max": max(back, default=None),
             "faults_injected": len(self.faults),
             "faults_survived": sum(f["outcome"].startswith("survived") for f in self.faults),
+            "faults_mid_exchange": sum(bool(f.get("mid_exchange")) for f in self.faults),
             "rounds": len(survivor), "rounds_dropped": len(dropped),
             "rounds_with_fewer_clusters": sum(r["num_clusters"] < a.clusters for r in survivor),
             "survivor_tokens_lost": (a.iters - covered) * tokens,
@@ -340,6 +371,10 @@ def main(argv=None):
                                                      "cluster ids and/or 'coordinator' (e.g. 0,coordinator)")
     ap.add_argument("--moments", default="mid-round",
                     help="comma-separated from mid-round, save, rejoin: when faults strike (see Soak.plan)")
+    ap.add_argument("--rate", default=None, help="each cluster behind a shaped link of this rate (e.g. 3mbit; "
+                                                 "scripts/wan/wan.py, needs root): exchanges take long enough to be hit")
+    ap.add_argument("--dilocox-extra", default="", help="more --dilocox flags for every cluster, e.g. "
+                                                         "'--dilocox-no-lowrank --dilocox-exchange-scheme reduce-scatter'")
     ap.add_argument("--save-interval", type=int, default=0,
                     help="Megatron --save-interval for every cluster (0: no checkpoints); 'save' needs it")
     a = ap.parse_args(argv)
@@ -359,8 +394,15 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     a.global_batch, a.seq = 8, 128  # main_job.gpt_flags
     from megatron_dilocox.data.prepare import prepare
+    if a.rate and a.coordinator == "standalone":
+        ap.error("--rate runs the embedded coordinator (the standalone one would need its own namespace)")
     prepare(a.data, num_clusters=a.clusters)
-    s = Soak(a).run()
+    with contextlib.ExitStack() as stack:
+        wan = None
+        if a.rate:
+            from wan import WanTestbed
+            wan = stack.enter_context(WanTestbed(a.clusters, a.rate))
+        s = Soak(a, wan).run()
     ok = s["faults_survived"] == s["faults_injected"] and s["rounds_dropped"] == 0 and s["final_agreement"] \
         and s["survivor_tokens_lost"] == 0 and all(c == 0 for c in s["exit_codes"].values())
     sys.exit(0 if ok else 1)
