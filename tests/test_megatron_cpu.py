@@ -81,6 +81,9 @@ def assert_learns(out, margin):
     return loss
 
 
+# slow: CI trains TP1 PP2 with DiLoCoX on (tests/test_megatron_dilocox.py::test_two_clusters_tp1_pp2: loss falls,
+# validation logged) and plain (test_without_dilocox_flags_the_entry_is_plain_megatron)
+@pytest.mark.slow
 def test_tp1_pp2_learns_and_evaluates():
     out = run_megatron(2, "--pipeline-model-parallel-size", "2",
                        "--eval-interval", "5", "--eval-iters", "1")
@@ -98,6 +101,9 @@ def test_tp2_reproduces_tp1():
         assert tp2[it] == pytest.approx(tp1[it], abs=1e-4), it
 
 
+# slow: CI runs DP2 with the distributed optimizer and both overlaps with DiLoCoX on
+# (tests/test_megatron_dilocox.py::test_evaluation_measures_the_global_model)
+@pytest.mark.slow
 def test_dp2_distributed_optimizer_with_overlap():
     out = run_megatron(2, "--use-distributed-optimizer", "--overlap-grad-reduce",
                        "--overlap-param-gather")
@@ -105,6 +111,9 @@ def test_dp2_distributed_optimizer_with_overlap():
     assert_learns(out, margin=0.5)
 
 
+# slow: CI runs the interleaved schedule with DiLoCoX on
+# (tests/test_megatron_dilocox.py::test_interleaved_pipeline_schedule_with_fragments)
+@pytest.mark.slow
 def test_interleaved_pipeline_schedule():
     out = run_megatron(2, "--pipeline-model-parallel-size", "2",
                        "--num-layers-per-virtual-pipeline-stage", "1")
