@@ -16,10 +16,13 @@ The link rate is set from the ceiling's measured step time so that the all-gathe
 about fits). Prints, per method: tokens/s (steady state, while every site trains), the ratio to the ceiling,
 bytes sent per site per round (the codec's count), communication and exposed seconds per round (the
 metrics' own timers: exposed = what the boundary waited for), and the cost model's prediction of the same
-(``python -m megatron_dilocox.sim`` at this testbed's measured step, rate and C). Writes results.json.
+(``python -m megatron_dilocox.sim`` at this testbed's measured step, rate and C, whole rounds). On a link
+this slow the slow-link switch (--dilocox-slow-link-fragments, on by default) turns on fragments after two
+rounds, for both schemes alike; ``--dilocox-extra '--dilocox-slow-link-fragments 1'`` keeps whole rounds, as
+the model prices them. Writes results.json.
 
     .venv/bin/python scripts/bench/many_sites_wan.py [--sites 4] [--iters 60] [--h 5] [--ratio 2]
-        [--rate 4mbit] [--out runs/bench/many_sites]
+        [--rate 4mbit] [--dilocox-extra FLAGS] [--out runs/bench/many_sites]
 """
 from __future__ import annotations
 
@@ -67,6 +70,8 @@ def main(argv=None):
     ap.add_argument("--corpus", default="kjv", choices=("kjv", "pydoc"))
     ap.add_argument("--data", default=None, help="corpus folder (default runs/bench/many_sites_data/<corpus>: "
                                                  "sharded --sites ways)")
+    ap.add_argument("--dilocox-extra", default="", help="more --dilocox flags for both schemes, e.g. "
+                                                       "'--dilocox-slow-link-fragments 1' (whole rounds, as the model)")
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "many_sites"))
     a = ap.parse_args(argv)
     if a.sites < 3:
@@ -83,7 +88,7 @@ def main(argv=None):
     flags = gpt_flags(a.data, a.iters, 1, 1) + ["--log-interval", "5"] + SAME_EVAL
     tokens_per_iter = 8 * SEQ  # per site
     base = ["--dilocox-h", str(a.h), "--dilocox-no-adaptive-h", "--dilocox-no-lowrank", "--dilocox-quant-bits", "4",
-            "--dilocox-quant-block-size", str(BLOCK)]
+            "--dilocox-quant-block-size", str(BLOCK), *a.dilocox_extra.split()]
     results, step_s = {}, None
     with WanTestbed(a.sites, a.rate or "1000mbit") as wan:
         if "ceiling" in methods:
@@ -104,16 +109,17 @@ def main(argv=None):
                                            clusters=a.sites, nproc=1)
             rounds = max(r["round"] for r in rows)
             per_site = lambda key: sum(r[key] for r in rows) / a.sites / rounds  # noqa: E731
-            hashes = {}
+            hashes = {}  # one row per round, or per fragment of a round once the slow-link switch made fragments
             for r in rows:
-                hashes.setdefault(r["round"], set()).add(r["global_model_hash"])
+                hashes.setdefault((r["round"], r.get("fragment", 0)), set()).add(r["global_model_hash"])
             results[scheme] = dict(
                 tokens_per_s=tokens_per_s(logs, tokens_per_iter), rounds=rounds, wall_seconds=round(wall, 1),
                 bytes_per_site_per_round=per_site("bytes_sent"),
                 comm_seconds_per_round=per_site("comm_seconds"),
                 exposed_seconds_per_round=per_site("exposed_comm_seconds"),
                 valid_loss=logs[0].valid_losses[-1], step_seconds=8 * SEQ * a.sites / tokens_per_s(logs, tokens_per_iter),
-                hashes_agree_every_round=all(len(h) == 1 for h in hashes.values()))
+                hashes_agree_every_round=all(len(h) == 1 for h in hashes.values()),
+                fragments_per_round=max(r.get("fragment", 0) for r in rows) + 1)
             print(f"# {scheme}: {json.dumps(results[scheme])}", flush=True)
     # the cost model at the sites' measured step (alone, or, without the ceiling run, coupled: an upper figure)
     step_s = step_s or min(r["step_seconds"] for r in results.values())
