@@ -46,7 +46,7 @@ class FakeCollective:
             def _all_gather(self, buf):
                 return [buf.clone() for _ in range(self.size)]
 
-            def _all_reduce_sum(self, buf):
+            def _all_reduce_sum(self, buf, timeout=None):
                 return buf * self.size
 
 

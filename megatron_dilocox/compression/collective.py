@@ -123,11 +123,12 @@ class Collective:
             if forged:
                 raise forged[0]
 
-    def all_reduce_sum(self, buf: torch.Tensor) -> torch.Tensor:
+    def all_reduce_sum(self, buf: torch.Tensor, timeout: Optional[float] = None) -> torch.Tensor:
         """Elementwise sum over members; bitwise identical on every member. Never authenticated (it mixes the
-        members' bytes): the codec uses it only for untagged fp32 (averaging.py: ``scheme_at``)."""
+        members' bytes): the codec uses it only for untagged fp32 (averaging.py: ``scheme_at``), the hand-over
+        as a completion signal. ``timeout``: seconds instead of the group's."""
         self.counter.add(allreduce_bytes(buf.numel() * buf.element_size(), self.size))
-        return self._timed(self._all_reduce_sum, buf)
+        return self._timed(self._all_reduce_sum, buf, timeout)
 
     def _timed(self, fn, *args):
         """``fn(*args)``, its wall time added to the counter (the wire, and any wait for a peer)."""
@@ -177,7 +178,7 @@ class Collective:
     def _all_gather(self, buf):
         raise NotImplementedError
 
-    def _all_reduce_sum(self, buf):
+    def _all_reduce_sum(self, buf, timeout=None):
         raise NotImplementedError
 
     def _broadcast(self, buf, src, timeout=None):
@@ -193,7 +194,7 @@ class SoloCollective(Collective):
     def _all_gather(self, buf):
         return [buf]
 
-    def _all_reduce_sum(self, buf):
+    def _all_reduce_sum(self, buf, timeout=None):
         return buf
 
     def _broadcast(self, buf, src, timeout=None):

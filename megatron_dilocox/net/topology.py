@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Optional
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
 from megatron_dilocox.compression.auth import derive_key
 from megatron_dilocox.compression.collective import Collective
@@ -323,9 +323,12 @@ class InterClusterGroup(Collective):
         self.pg.allgather([out], [buf.contiguous()]).wait()
         return out
 
-    def _all_reduce_sum(self, buf):
+    def _all_reduce_sum(self, buf, timeout=None):
         buf = buf.clone()
-        self.pg.allreduce([buf]).wait()
+        opts = AllreduceOptions()
+        if timeout is not None:
+            opts.timeout = timedelta(seconds=max(timeout, 1.0))
+        self.pg.allreduce([buf], opts).wait()
         return buf
 
     def _all_to_all(self, pieces, sizes_in):

@@ -14,6 +14,10 @@ than a round's compressed payload: over a slow link it may take longer than ``--
 sized for detecting a silent peer (on a 3 Mbit/s link with a 15 s timeout, the 24 MB hand-over of the test model
 timed out on every member and ended the run: scripts/chaos/chaos.py --rate). Its timeout is therefore the
 group's plus four times the transfer at the link rate the rounds measured (the header carries it to the joiner).
+The source's send returns once its bytes are queued, long before the slowest receiver has them over a shaped
+link; so the hand-over ends with a one-value all-reduce under the same timeout, which every member enters only
+after its own receive (at 3 Mbit/s and four clusters, the source started the next round ~40 s before the others
+had the state, its first send there timed out and two healthy clusters were dropped: scripts/chaos/chaos.py).
 """
 from __future__ import annotations
 
@@ -46,8 +50,14 @@ def send(sync, result: ExchangeResult, iteration: int):
     sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=src, context=HEAD)
     parts = list(sync.anchor) + (list(buf) if buf is not None else []) + list(sync.codec.q) + list(result.deltas or [])
     flat = _flat(parts)
-    sync.group.broadcast(flat, src=src, context=STATE,
-                         timeout=transfer_timeout(sync, flat.numel(), result.peer_seconds_per_byte))
+    timeout = transfer_timeout(sync, flat.numel(), result.peer_seconds_per_byte)
+    sync.group.broadcast(flat, src=src, context=STATE, timeout=timeout)
+    _everyone_has_it(sync, timeout)
+
+
+def _everyone_has_it(sync, timeout: float):
+    """Returns on every member once all of them hold the hand-over (see the module docstring)."""
+    sync.group.all_reduce_sum(torch.zeros(1), timeout=timeout)
 
 
 def receive(sync) -> ExchangeResult:
@@ -61,8 +71,9 @@ def receive(sync) -> ExchangeResult:
     numels = [p.numel() for p in sync.params]
     sizes = numels * (1 + int(head["has_momentum"])) + [b * c * r for b, c, r in q_shapes]
     sizes += numels if head["has_deltas"] else []
-    flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=src, context=STATE,
-                                timeout=transfer_timeout(sync, sum(sizes), head["peer_seconds_per_byte"]))
+    timeout = transfer_timeout(sync, sum(sizes), head["peer_seconds_per_byte"])
+    flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=src, context=STATE, timeout=timeout)
+    _everyone_has_it(sync, timeout)
     pieces = iter(torch.split(flat, sizes))
     shapes = [p.shape for p in sync.params]
     sync.anchor = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]
