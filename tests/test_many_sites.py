@@ -134,6 +134,26 @@ def test_a_payload_replayed_from_an_earlier_round_is_refused(tmp_path):
     assert any("DiLoCoX round 2: refused the phase1 message from cluster 0" in w for w in res[(1, 0)]["warnings"])
 
 
+def test_a_payload_replayed_under_continue_drops_its_sender_for_the_round(tmp_path):
+    """The same replay under continue, C = 3, all-gather: cluster 2's round-1 payload delivered to cluster 1 again
+    in place of its round-2 one. Cluster 1 refuses it naming cluster 2 and round 2; clusters 0 and 1 redo round 2
+    without cluster 2 (nothing from the replay applied) and train on, agreeing; cluster 2 stops (restart it to
+    rejoin)."""
+    C = 3
+    res = train_clusters(C, steps=8, metrics_dir=str(tmp_path), same_init=True, replay_payload=1,
+                         dilocox=dilocox_spec(C, h=2, overlap="none", on_peer_failure="continue",
+                                              exchange_scheme="all-gather", **WHOLE))
+    who = "DiLoCoX round 2: refused the phase1 message from cluster 2"
+    assert any(who in w for w in res[(1, 0)]["warnings"]) or any(who in str(r) for r in res[(1, 0)]["rows"]), \
+        res[(1, 0)]["warnings"]
+    assert "went on without this one" in (res[(2, 0)]["error"] or ""), res[(2, 0)]["error"]
+    rows = [read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C)]
+    for c in (0, 1):
+        assert res[(c, 0)]["error"] is None, res[(c, 0)]["error"]
+        assert [r["status"] for r in rows[c]] == ["applied"] * 4 and rows[c][1]["num_clusters"] == 2, rows[c]
+    assert [r["global_model_hash"] for r in rows[0]] == [r["global_model_hash"] for r in rows[1]]
+
+
 @pytest.mark.parametrize("policy", ["stop", "continue"])
 def test_a_chunk_owner_killed_mid_exchange_is_a_lost_peer(tmp_path, policy):
     """C = 4, reduce-scatter: cluster 2's process is SIGKILLed as soon as round 2's reduce-scatter has handed it the
