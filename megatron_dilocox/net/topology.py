@@ -327,7 +327,7 @@ class InterClusterGroup(Collective):
         buf = buf.clone()
         opts = AllreduceOptions()
         if timeout is not None:
-            opts.timeout = timedelta(seconds=max(timeout, 1.0))
+            opts.timeout = _per_call(timeout)
         self.pg.allreduce([buf], opts).wait()
         return buf
 
@@ -351,5 +351,10 @@ class InterClusterGroup(Collective):
 
     def _broadcast(self, buf, src, timeout=None):
         buf = buf.clone()
-        self.pg.broadcast(buf, src, None if timeout is None else timedelta(seconds=max(timeout, 1.0))).wait()
+        self.pg.broadcast(buf, src, None if timeout is None else _per_call(timeout)).wait()
         return buf
+
+
+def _per_call(seconds: float) -> timedelta:
+    """A collective's own timeout, in place of the group's (at least 1 s)."""
+    return timedelta(seconds=max(seconds, 1.0))

@@ -45,8 +45,10 @@ from __future__ import annotations
 import math
 
 # One core of this repository's CI host (2 vCPU AMD EPYC, KVM): scripts/bench/boundary_cost.py, 64M fp32 values, best
-# of 5 in CPU time, the median of 3 runs, while a benchmark loaded both cores (load average 16-30): to be rerun on an
-# idle host. (Page faults cost more in a VM: HOST_FIRST_TOUCH_GB_S may be low for a bare-metal server.)
+# of 5 in CPU time, the median of 3 runs, while a benchmark loaded both cores (load average 16-30). Idle, one run:
+# 40.4, 52.9, 2.8, 2.11; the loaded figures stay, as a node's ranks share its memory at the boundary
+# (docs/algorithm.md#the-boundarys-own-work). (Page faults cost more in a VM: HOST_FIRST_TOUCH_GB_S may be low
+# for a bare-metal server.)
 HOST_COPY_GB_S = 30.2  # dst.copy_(src): bytes read + written per second (runs: 30.2, 30.8, 22.2)
 HOST_ELEMENTWISE_GB_S = 41.8  # b.mul_(m).add_(d), torch.add(d, b, alpha, out=u), a.add_(u, alpha) (41.8, 41.8, 35.7)
 HOST_FIRST_TOUCH_GB_S = 2.0  # a fresh tensor: its bytes / (fresh-output add - the same add with out=) (2.1, 1.8, 2.0)
