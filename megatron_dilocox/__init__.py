@@ -22,13 +22,16 @@ that importing any submodule (e.g. a ``torch_dist`` checkpoint helper re-importi
 torch-free ``sim``) does not pull in torch and the whole core.
 """
 __version__ = "0.1.0"
-__all__ = ["DiLoCoX", "DiLoCoXConfig", "__version__"]
+__all__ = ["DiLoCoX", "DiLoCoXConfig", "RunStopped", "__version__"]
 
 
 def __getattr__(name):
     if name == "DiLoCoX":
         from megatron_dilocox.api import DiLoCoX
         return DiLoCoX
+    if name == "RunStopped":
+        from megatron_dilocox.outer.sync import RunStopped
+        return RunStopped
     if name == "DiLoCoXConfig":
         from megatron_dilocox.config import DiLoCoXConfig
         return DiLoCoXConfig

@@ -11,6 +11,11 @@
             evaluate(model)
     # leaving the block applies the round in flight: every cluster ends with the same model
 
+A round that stops the run (a lost peer under ``on_peer_failure="stop"``, a payload whose tag does not verify)
+makes the next ``inner.step()`` raise ``RunStopped`` naming the round and the reason, before it changes anything
+(and so does leaving the block, if the loop ended first): a script that does not catch it exits non-zero, as
+the Megatron entry does, so a scheduler sees the failure. Training never goes on silently as local training.
+
 As in torchft's ``DiLoCo``, the round is a post-hook on the inner optimizer's ``step`` (nothing else in the
 loop changes); the Megatron seam (``glue/seam.py``) drives the same ``DiLoCoXSync`` hook after Megatron's
 own optimizer step. Each process syncs the parameters it passes in, with the process of the same rank
@@ -30,7 +35,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank, TorchDistCluster
 from megatron_dilocox.outer.auto import make_sync
-from megatron_dilocox.outer.sync import DiLoCoXSync
+from megatron_dilocox.outer.sync import DiLoCoXSync, RunStopped
 
 
 def _params(source) -> list:
@@ -59,7 +64,7 @@ class DiLoCoX:
         # steps' sum; ``step(tokens=...)``-style variation goes through ``dl.sync.after_inner_step(tokens=...)``
         self.tokens_per_step = float(tokens_per_step)
         self.sync: Optional[DiLoCoXSync] = None
-        self._hook = None
+        self._hooks: list = []
 
     # ---------------------------------------------------------------------------------- lifecycle
     def __enter__(self) -> "DiLoCoX":
@@ -77,15 +82,23 @@ class DiLoCoX:
         metrics = MetricsWriter(self.config.metrics_file if intra.is_writer else None)
         self.sync = make_sync([p.data for p in self.params], self.config, group, intra, metrics,
                                 train_iters=self.train_iters).start()
-        self._hook = self.inner.register_step_post_hook(lambda *_: self.sync.after_inner_step(tokens=self.tokens_per_step))
+        self._hooks = [self.inner.register_step_pre_hook(lambda *_: self._raise_if_stopped()),
+                       self.inner.register_step_post_hook(lambda *_: self.sync.after_inner_step(tokens=self.tokens_per_step))]
         return self
+
+    def _raise_if_stopped(self):
+        if self.sync.stopped:
+            raise RunStopped(self.sync.stopped_round, self.sync.stopped)
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            if exc_type is None and not self.sync.stopped:
+            if exc_type is None:
+                self._raise_if_stopped()  # (the loop ended right after the round that stopped the run)
                 self.sync.finalize()
+                self._raise_if_stopped()  # (or the final round stopped it)
         finally:
-            self._hook.remove()
+            for hook in self._hooks:
+                hook.remove()
             self.sync.close()
         return False
 

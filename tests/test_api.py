@@ -99,3 +99,26 @@ def test_readme_example_runs_two_clusters_that_agree():
     rounds = [int(re.search(r"done: (\d+) rounds", o).group(1)) for o in outs]
     most = 10 * DiLoCoXConfig().slow_link_fragments
     assert rounds[0] == rounds[1] and (rounds[0] == 10 or 10 < rounds[0] <= most), rounds
+
+
+def test_a_round_that_stops_the_run_raises_at_the_next_step_and_the_script_exits_non_zero():
+    """Two real processes of a user's script (tests/api_stop_script.py, no try/except), H = 2, policy stop; one bit
+    of cluster 0's round-2 payload is flipped on its way to cluster 1: cluster 1 refuses it, both drop round 2 and
+    stop. The next ``inner.step()`` (step 5) raises RunStopped naming round 2 and the reason on both clusters,
+    before training it; the ``with`` block re-raises it and each process exits 1 (Python's code for an uncaught
+    exception), with no step trained after the stop and no 'done'."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
+    rdv = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.api_stop_script", str(c), rdv], env=env, cwd=repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for c, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 1, (c, p.returncode, out, err[-3000:])
+        assert out.splitlines() == [f"cluster {c} trained step {s}" for s in range(1, 5)], (c, out)
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("megatron_dilocox.outer.sync.RunStopped: DiLoCoX round 2 stopped: "), (c, err[-3000:])
+        assert "authentication tags do not verify" in last and "--dilocox-on-peer-failure stop" in last, (c, last)

@@ -286,13 +286,14 @@ def test_sim_imports_no_torch():
 
 
 def test_sites_sized_to_their_speed():
-    """Two one-GPU sites, one twice as fast: per-site H gives the fast site 2H steps and 2/3 of the weight, no
+    """Two one-GPU sites, one twice as fast: per-site H gives the fast site 2H steps and half the weight (one token,
+    one vote: the same tokens per step), no
     site waits, and the run makes 1.5x lockstep's tokens/s (lockstep: the fast site waits half of every round);
     a speed ratio that does not divide leaves the fast site less than one of its steps of waiting."""
     from megatron_dilocox.sim.sites import Site, parse_sites, plan_sites
     p = plan_sites([Site(1, 100.0, 1000.0), Site(1, 50.0, 1000.0)], h=10)
     assert [s["H"] for s in p["sites"]] == [20, 10] and p["round_seconds"] == pytest.approx(200.0)
-    assert [s["weight"] for s in p["sites"]] == pytest.approx([2 / 3, 1 / 3])
+    assert [s["weight"] for s in p["sites"]] == pytest.approx([1 / 2, 1 / 2])
     assert [s["wait_share"] for s in p["sites"]] == pytest.approx([0.0, 0.0], abs=1e-12)
     assert [s["lockstep_wait_share"] for s in p["sites"]] == pytest.approx([0.5, 0.0])
     assert (p["tokens_per_s"], p["lockstep_tokens_per_s"], p["vs_lockstep"]) == pytest.approx((150.0, 100.0, 1.5))
@@ -318,5 +319,5 @@ def test_sites_cli_prints_each_sites_h_weight_and_the_ratio_to_lockstep():
                           "--kv-heads", "4"], capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
     assert lines[-1] == "vs_lockstep: 1.50"
-    assert lines[2].split()[:6] == ["0", "1", "100", "10.000", "20", "0.667"]
-    assert lines[3].split()[:6] == ["1", "1", "50", "20.000", "10", "0.333"]
+    assert lines[2].split()[:6] == ["0", "1", "100", "10.000", "20", "0.500"]
+    assert lines[3].split()[:6] == ["1", "1", "50", "20.000", "10", "0.500"]

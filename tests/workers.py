@@ -266,7 +266,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
             if sync.stopped:
                 out["error"] = sync.stopped
                 break
-            if getattr(sync, "run_complete", False):
+            if sync.clock.complete:
                 break
         if spec.get("finalize", True) and not sync.stopped:
             sync.finalize()

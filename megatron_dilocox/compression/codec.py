@@ -19,10 +19,11 @@ no low-precision sum can overflow and every cluster gets bitwise the same Δ; fr
 can be summed chunk-wise go by reduce-scatter + all-gather instead (averaging.py, scatter.py); fp32 payloads
 use a ring all-reduce, or the reduce-scatter when messages are authenticated (auth.py: every message tagged).
 
-Weights: the average is Σ_c w_c x_c / Σ_c w_c, w_c the tokens cluster c trained on in the round (its header),
-so a site that trained on more tokens counts for more (docs/algorithm.md#weights). Every cluster computes the
-scales C·w_c/Σw from the same headers; when all weights are equal (lockstep sites of one batch size) no
-scale is applied at all, which keeps that case bitwise the plain mean. The header also carries each cluster's
+Weights: the average is Σ_c w_c x_c / Σ_c w_c, w_c cluster c's tokens per inner step in the round (its header's
+tokens over its steps): a pseudo-gradient already grows with the steps that made it, so weighing it by its steps
+again would count a fast site's steps twice; one token, one vote (docs/algorithm.md#weights). Every cluster
+computes the scales C·w_c/Σw from the same headers; when all weights are equal (sites of one batch size, whatever
+their steps) no scale is applied at all, which keeps that case bitwise the plain mean. The header also carries each cluster's
 hash of its outer state at the round's launch (outer/repair.py compares them and repairs a site that differs).
 
 Error feedback is local (Vogels et al., 2019): the decompression of
@@ -61,7 +62,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 
 MAGIC = 0x44694C6F  # "DiLo"
 HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step_seconds",
-                 "seconds_per_byte", "tokens", "state_hash")
+                 "seconds_per_byte", "tokens", "state_hash", "steps", "end_request")
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
 
 
@@ -90,10 +91,13 @@ class ExchangeResult:
     lost: list = field(default_factory=list)  # clusters lost in this round (status "stopped: ...")
     launched_at: int = 0  # the iteration whose boundary launched this round
     launched_tokens: float = 0.0  # the tokens of every applied round, all sites, when it was launched
-    tokens: float = 0.0  # this cluster's weight: the tokens of its round
+    tokens: float = 0.0  # this cluster's tokens in the round (the run's clock counts them)
+    steps: int = 0  # and the inner steps they took
+    member_tokens: list = field(default_factory=list)  # each member's tokens in the round (header; group order)
+    end_requested: bool = False  # a member asked the run to end (header; outer/clock.py)
     member_index: int = 0  # this cluster's place in the group (and in the lists below) at the exchange
     member_step_seconds: list = field(default_factory=list)  # each member's inner-step time (header)
-    weights: list = field(default_factory=list)  # tokens per member (group order) this round was averaged with
+    weights: list = field(default_factory=list)  # each member's tokens per step: what the round was averaged with
     state_hashes: list = field(default_factory=list)  # each member's outer-state hash at launch (group order)
     repaired: list = field(default_factory=list)  # clusters whose outer state was replaced (outer/sync.py)
     repair: Optional[list] = None  # (this cluster, when repaired) the reference's φ and momentum, flat
@@ -239,11 +243,12 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
     def _exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
                   comm_seconds_prev: float = 0.0, step_seconds: float = 0.0,
                   seconds_per_byte_prev: float = 0.0, link_steps: float = 0.0, tokens: float = 1.0,
-                  state_hash: int = 0) -> ExchangeResult:
+                  state_hash: int = 0, steps: int = 1, end_request: bool = False) -> ExchangeResult:
         """One round: compress M = δ + e, average over the clusters, keep the new e. ``link_steps`` > 0 (round 1
         under the link budget): first set the rank to what the link carries in that many steps, from the
-        header's figures (the same on every cluster, so all decide alike). ``tokens``: this cluster's weight
-        in the average (the tokens of its round); ``state_hash``: its outer state's hash (< 2^48), passed
+        header's figures (the same on every cluster, so all decide alike). ``tokens``, ``steps``: this cluster's
+        tokens and inner steps in the round (its weight in the average is their ratio); ``end_request``: it asks
+        the run to end (outer/clock.py); ``state_hash``: its outer state's hash (< 2^48), passed
         through to ``result.state_hashes``."""
         t_enter = time.perf_counter()
         C = coll.size
@@ -271,7 +276,8 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
             return result
 
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
-                               comm_seconds_prev, step_seconds, seconds_per_byte_prev, tokens, state_hash],
+                               comm_seconds_prev, step_seconds, seconds_per_byte_prev, tokens, state_hash,
+                               float(steps), float(end_request)],
                               dtype=torch.float64)
         self._round = round_idx
         # (the header's tag leaves the round out: the header carries it, and a peer at another round is refused
@@ -284,7 +290,9 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
         result.peer_comm_seconds = max(float(h[5]) for h in headers)
         result.peer_step_seconds = max(float(h[6]) for h in headers)
         result.peer_seconds_per_byte = max(float(h[7]) for h in headers)
-        result.weights, result.tokens = [float(h[8]) for h in headers], float(tokens)
+        result.tokens, result.steps, result.member_tokens = float(tokens), int(steps), [float(h[8]) for h in headers]
+        result.weights = [float(h[8]) / max(float(h[10]), 1.0) for h in headers]  # one token, one vote
+        result.end_requested = any(h[11] != 0 for h in headers)
         result.member_index, result.member_step_seconds = coll.rank, [float(h[6]) for h in headers]
         result.state_hashes = [int(h[9]) for h in headers]
         self._scales = self._weight_scales(result.weights)

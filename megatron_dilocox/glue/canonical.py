@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import types
 import hashlib
 import logging
 import os
@@ -38,7 +37,7 @@ import torch
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 from megatron_dilocox.glue.param_views import leaf_optimizers, _owned_pairs
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import budget
+from megatron_dilocox.outer.clock import RunClock
 from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.cluster import SingleRank
 
@@ -171,8 +170,9 @@ class CanonicalSite:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.params = layout.views  # what this rank holds: θ for evaluation's save/restore
         self.outer_device = torch.device("cpu")
-        self.iteration, self.stopped, self.joined_midrun, self.run_complete = 0, None, False, False
-        self._shared, self._shared_at = {}, 0  # rank 0's budget figures at the last change, and that iteration
+        self.iteration, self.stopped, self.joined_midrun = 0, None, False
+        # (ranks but 0) rank 0's clock and round figures at the last change, and this rank's iteration then
+        self._clock, self._site, self._site_at = RunClock(), {}, 0
         device = layout.views[0].device if layout.views else torch.device("cpu")
         self.device = device
         # who sends what: rank 0 learns every rank's indices once; each element is gathered from its first owner
@@ -277,32 +277,45 @@ class CanonicalSite:
         self._after_change()
         return True
 
+    SITE_FIELDS = ("h", "steps_in_round", "token_budget", "tokens_per_step")
+
     def _after_change(self):
-        """(Every rank, after a step that changed θ) what rank 0's round decided: stop, the run's end, its
-        progress (--dilocox-per-site-h)."""
+        """(Every rank, after a step that changed θ) what rank 0's round decided: a stop, and the run's clock with
+        the site's round figures (its position, and its progress for the LR schedule)."""
         s = self.sync
-        fields = ("projected", "last_round_global", "h", "budget_total", "steps_in_round", "token_budget",
-                  "tokens_per_step")
-        vals = self._flag([float(bool(s is not None and s.stopped)), float(bool(s is not None and s.run_complete))]
-                          + [float(getattr(s, k)) if s is not None else 0.0 for k in fields])
+        site = [float(getattr(s, k)) if s is not None else 0.0 for k in self.SITE_FIELDS]
+        clock = s.clock.as_floats() if s is not None else self._clock.as_floats()
+        vals = self._flag([float(bool(s is not None and s.stopped))] + site + clock)
         if vals[0] and self.stopped is None:
             self.stopped = s.stopped if s is not None else "DiLoCoX stopped on this site's rank 0 (see its log)"
-        self.run_complete = bool(vals[1])
-        self._shared, self._shared_at = dict(zip(fields, vals[2:])), self.iteration
+        if s is None:
+            self._site, self._site_at = dict(zip(self.SITE_FIELDS, vals[1:1 + len(site)])), self.iteration
+            self._clock = RunClock.from_floats(vals[1 + len(site):])
 
-    def boundary_progress(self) -> Optional[float]:
-        if self.sync is not None:
-            return self.sync.boundary_progress()
-        return budget.boundary_progress(types.SimpleNamespace(**self._shared)) if self._shared else None
+    @property
+    def clock(self) -> RunClock:
+        """The run's clock: rank 0's, and on the other ranks its copy as of the last step that changed θ."""
+        return self.sync.clock if self.sync is not None else self._clock
+
+    @property
+    def run_complete(self) -> bool:
+        return self.clock.complete
 
     def progress(self) -> Optional[float]:
         if self.sync is not None:
             return self.sync.progress()
-        if not self._shared:
+        if not self._site:
             return None
-        view = types.SimpleNamespace(**self._shared, iteration=self.iteration,
-                                     steps_in_round=self._shared["steps_in_round"] + self.iteration - self._shared_at)
-        return budget.progress(view)
+        site = self._site
+        return self._clock.progress(int(site["steps_in_round"]) + self.iteration - self._site_at, int(site["h"]),
+                                    self.iteration, site["tokens_per_step"], site["token_budget"])
+
+    def position(self) -> Optional[tuple[int, int]]:
+        return self.sync.position() if self.sync is not None else None
+
+    def request_end(self):
+        if self.sync is not None:
+            self.sync.request_end()
 
     def _phi(self) -> torch.Tensor:
         return torch.cat([a.reshape(-1) for a in self.sync.global_params()]).clone()
@@ -350,6 +363,7 @@ class CanonicalSite:
             self.sync.load_state_dict(state)
             self.iteration = self.sync.iteration
         self.iteration = int(self._flag([float(self.iteration)])[0])
+        self._after_change()  # the checkpoint's clock on every rank: their decisions agree from the first step
 
     def layout_summary(self, rank: int) -> dict:
         s = self.sync

@@ -9,21 +9,28 @@ error feedback, warm start).
 
 What.
 - After every persistent save, once every rank of the cluster has returned from it (a barrier on the cluster's
-  world), cluster rank 0 adds the iteration to ``dilocox_checkpoints.json`` in the save directory, written
-  atomically (tmp + fsync + ``os.replace``). Only registered iterations are complete. ``--async-save`` is refused
+  world), cluster rank 0 adds the iteration and its place in the run (the round, the steps into the next one)
+  to ``dilocox_checkpoints.json`` in the save directory, written atomically (tmp + fsync + ``os.replace``). Only
+  registered iterations are complete. ``--async-save`` is refused
   (the registry needs the save finished when ``save_checkpoint`` returns), and so are non-persistent checkpoints
   (Megatron would load them by itself, bypassing the agreement below).
 - ``--ckpt-format torch`` with DP > 1 is refused: Megatron's legacy format saves the optimizer state dict (and so
   the DiLoCoX state riding in it) from DP rank 0 only, and every DP rank loads that file; each DP rank's DiLoCoX
   state differs (its own shards, or its round-robin share of the replica). ``torch_dist`` keeps one per rank.
 - At start-up, before Megatron loads (``agree_on_resume_iteration``, from ``DiLoCoXOptimizer.__init__``), cluster
-  rank 0 reads its complete iterations (those whose directory still exists); the cluster's ranks take rank 0's
-  list (all-reduce), the clusters exchange theirs (all-gather over the inter-cluster group) and take the newest
-  iteration complete on every cluster. Rank 0 rewrites the tracker to it atomically (repairing a truncated one),
-  renames every newer ``iter_`` directory aside (``iter_0000012.dilocox-superseded-0``; nothing is deleted) and
-  drops it from the registry; a barrier; then Megatron loads exactly that iteration. No common iteration: every
-  cluster starts from scratch (the tracker is renamed aside too), with a warning naming what is ignored. A
-  checkpoint directory without a registry (written without this module) counts by its tracker.
+  rank 0 reads its complete checkpoints (those whose directory still exists); the cluster's ranks take rank 0's
+  list (all-reduce), the clusters exchange theirs (all-gather over the inter-cluster group) and agree on the
+  newest *place in the run* complete on every cluster, then each loads its own iteration for it. The place is
+  the round: with per-site H a site's iteration is its own count (a fast site's iteration 60 is a later round
+  than a slow site's), and any two checkpoints taken in the same round hold the same global state (φ, momentum,
+  the round in flight finished), each with its own steps into the next round. In lockstep rounds every site runs
+  the same steps, so the place is the round and the steps into the next one (the iteration, in effect), which
+  keeps the continuation bitwise. Rank 0 rewrites the tracker to its iteration atomically (repairing a truncated
+  one), renames every newer ``iter_`` directory aside (``iter_0000012.dilocox-superseded-0``; nothing is
+  deleted) and drops it from the registry; a barrier; then Megatron loads exactly that iteration. Nothing common:
+  every cluster starts from scratch (the tracker is renamed aside too), with a warning naming what is ignored. A
+  checkpoint without its round (written without this module, or before rounds were registered) counts by its
+  iteration.
 
 Rounds at a kill. The round that was in flight when the checkpoint was written is *completed from the
 checkpoint*: saving finishes its exchange and stores the result (``pending``), applied at the next boundary after
@@ -42,6 +49,7 @@ import logging
 import os
 import re
 import sys
+from typing import Callable, Optional
 
 import torch
 
@@ -90,12 +98,28 @@ def read_tracker(ckpt_dir: str):
     return int(text) if text and text.isdigit() else None
 
 
-def _registered(ckpt_dir: str):
+def _registry(ckpt_dir: str) -> Optional[dict]:
     try:
         with open(os.path.join(ckpt_dir, REGISTRY)) as f:
-            return sorted({int(i) for i in json.load(f)["complete"]})
+            return json.load(f)
     except FileNotFoundError:
         return None
+
+
+def _registered(ckpt_dir: str):
+    reg = _registry(ckpt_dir)
+    return None if reg is None else sorted({int(i) for i in reg["complete"]})
+
+
+def places(ckpt_dir: str) -> dict[int, tuple[int, int]]:
+    """{iteration: (round, steps into the next round)} of the registered checkpoints that recorded it."""
+    reg = _registry(ckpt_dir) or {}
+    return {int(i): (int(p[0]), int(p[1])) for i, p in reg.get("places", {}).items()}
+
+
+def _write_registry(ckpt_dir: str, done, place: dict):
+    place = {str(i): list(place[i]) for i in sorted(done) if i in place}
+    _atomic_write(os.path.join(ckpt_dir, REGISTRY), json.dumps({"complete": sorted(done), "places": place}) + "\n")
 
 
 def complete_iterations(ckpt_dir) -> list[int]:
@@ -107,11 +131,15 @@ def complete_iterations(ckpt_dir) -> list[int]:
     return [i for i in done if i in present]
 
 
-def record_complete(ckpt_dir: str, iteration: int):
-    """Add ``iteration`` to the registry (atomically), keeping only iterations whose directory exists."""
+def record_complete(ckpt_dir: str, iteration: int, place: Optional[tuple[int, int]] = None):
+    """Add ``iteration`` (at ``place``: round, steps into the next) to the registry (atomically), keeping only
+    iterations whose directory exists."""
     present = iter_dirs(ckpt_dir)
     done = {i for i in (_registered(ckpt_dir) or []) if i in present} | {int(iteration)}
-    _atomic_write(os.path.join(ckpt_dir, REGISTRY), json.dumps({"complete": sorted(done)}) + "\n")
+    known = places(ckpt_dir)
+    if place is not None:
+        known[int(iteration)] = tuple(place)
+    _write_registry(ckpt_dir, done, known)
 
 
 def _aside(ckpt_dir: str, name: str) -> str:
@@ -139,25 +167,38 @@ def prepare_resume(load_dir, save_dir, iteration: int) -> list[str]:
             if it > iteration:
                 moved.append(os.path.join(save_dir, _aside(save_dir, name)))
         if _registered(save_dir) is not None:
-            keep = [i for i in _registered(save_dir) if i <= iteration]
-            _atomic_write(os.path.join(save_dir, REGISTRY), json.dumps({"complete": keep}) + "\n")
+            _write_registry(save_dir, [i for i in _registered(save_dir) if i <= iteration], places(save_dir))
     return moved
 
 
 # ------------------------------------------------------------------------------------------ agreement
-def _candidates(args) -> list[int]:
-    """This cluster's complete iterations that Megatron may load (newest MAX_CANDIDATES)."""
+PAD = -(1 << 62)  # an empty slot in a cluster's list of candidates
+
+
+def _candidates(args, per_site_h: bool) -> list[tuple[int, int, int]]:
+    """This cluster's complete checkpoints that Megatron may load (newest MAX_CANDIDATES), as (place, iteration):
+    the place is (round, 0) with per-site H, (round, steps into the next) in lockstep rounds, (-1, iteration)
+    for a checkpoint that did not record its round."""
     load = getattr(args, "load", None)
     if not load:
         return []
     done = complete_iterations(load)
     if getattr(args, "ckpt_step", None):
         done = [i for i in done if i == args.ckpt_step]
-    return done[-MAX_CANDIDATES:]
+    known = places(load)
+    out = []
+    for i in done[-MAX_CANDIDATES:]:
+        if i in known:
+            r, offset = known[i]
+            out.append((r, 0 if per_site_h else offset, i))
+        else:
+            out.append((-1, i, i))
+    return out
 
 
 def agree_on_resume_iteration(cfg, args, group, intra) -> int:
-    """The newest iteration complete on every cluster; Megatron is made to load it (see module docstring).
+    """The newest place in the run complete on every cluster; Megatron is made to load this cluster's iteration
+    for it (see module docstring).
 
     ``group``: the inter-cluster ``Collective`` (None with one cluster); ``intra``: this cluster's
     ``IntraCluster``. Every rank of every cluster must call it (collectives). Returns the iteration (0: none).
@@ -165,46 +206,67 @@ def agree_on_resume_iteration(cfg, args, group, intra) -> int:
     if "megatron.training.training" in sys.modules:
         install(args)
     rank0 = torch.distributed.get_rank() == 0
-    mine = _candidates(args) if rank0 else []
-    vec = [float(i) for i in mine] + [-1.0] * (MAX_CANDIDATES - len(mine))
+    mine = _candidates(args, bool(cfg.per_site_h)) if rank0 else []
+    vec = [float(v) for c in mine for v in c] + [float(PAD)] * (3 * (MAX_CANDIDATES - len(mine)))
     vec = [int(v) for v in intra.reduce(vec, "max")]  # rank 0's list on every rank of the cluster
     per_cluster = [vec]
     if group is not None:
         buf = torch.tensor(vec, dtype=torch.int64).view(torch.uint8)
         per_cluster = [t.view(torch.int64).tolist() for t in group.all_gather(buf, (0, 0, "resume"))]
-    sets = [{i for i in v if i > 0} for v in per_cluster]
-    common = set.intersection(*sets)
-    agreed = max(common, default=0)
+    # per cluster: {place: its newest iteration there}
+    offers = [{} for _ in per_cluster]
+    for offer, v in zip(offers, per_cluster):
+        for r, offset, it in zip(v[0::3], v[1::3], v[2::3]):
+            if it > 0 and r != PAD:
+                offer[(r, offset)] = max(it, offer.get((r, offset), 0))
+    common = set.intersection(*(set(o) for o in offers))
+    place = max(common, default=None)
+    me = group.rank if group is not None else 0
+    agreed = offers[me][place] if place is not None else 0
     # rank 0's answer for the whole cluster (with the canonical exchange only rank 0 has the inter-cluster group)
     agreed = int(intra.reduce([agreed if rank0 else -1], "max")[0])
     if rank0:
         moved = prepare_resume(getattr(args, "load", None), getattr(args, "save", None), agreed)
-        ignored = {c: sorted(i for i in s if i > agreed) for c, s in enumerate(sets)}
+        listing = {c: {_place_text(p): i for p, i in sorted(o.items())} for c, o in enumerate(offers)}
         if agreed:
-            log.info("DiLoCoX resume: every cluster loads iteration %d (complete per cluster: %s)", agreed,
-                     {c: sorted(s) for c, s in enumerate(sets)})
-        elif any(sets):
-            log.warning("DiLoCoX resume: no iteration is complete on every cluster (complete per cluster: %s); "
-                        "every cluster starts from scratch", {c: sorted(s) for c, s in enumerate(sets)})
-        if any(ignored.values()) or moved:
-            log.warning("DiLoCoX resume: ignoring newer checkpoints %s; moved aside: %s",
-                        {c: v for c, v in ignored.items() if v}, moved or "nothing")
+            log.info("DiLoCoX resume: every cluster resumes at %s; this cluster loads iteration %d (complete per "
+                     "cluster, place: iteration: %s)", _place_text(place), agreed, listing)
+        elif any(offers):
+            log.warning("DiLoCoX resume: no place in the run is complete on every cluster (complete per cluster, "
+                        "place: iteration: %s); every cluster starts from scratch", listing)
+        if moved:
+            log.warning("DiLoCoX resume: newer checkpoints of this cluster moved aside: %s", moved)
     if getattr(args, "ckpt_step", None):
         args.ckpt_step = agreed or None  # Megatron loads ckpt_step instead of the tracker's iteration
     torch.distributed.barrier()  # the tracker is right before any rank of the cluster reads it
     return agreed
 
 
+def _place_text(place) -> str:
+    r, offset = place
+    if r < 0:
+        return f"iteration {offset}"
+    return f"round {r}" + (f" + {offset} steps" if offset else "")
+
+
 # ------------------------------------------------------------------------------------------ saving
+_position: list[Callable] = []  # the run's place now (round, steps into the next), set by the seam (``track``)
+
+
+def track(position: Callable[[], Optional[tuple[int, int]]]):
+    """Register where a checkpoint saved now sits in the run (the seam: its sync's round and steps)."""
+    _position[:] = [position]
+
+
 def _after_save(bound: dict):
-    """Every rank returned from the save: cluster rank 0 registers the iteration as complete."""
+    """Every rank returned from the save: cluster rank 0 registers the iteration, at its place, as complete."""
     from megatron.training import get_args
     args = get_args()
     if bound.get("non_persistent_ckpt") or bound.get("release") or not args.save:
         return
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        record_complete(args.save, bound["iteration"])
+        record_complete(args.save, bound["iteration"], _position[0]() if _position else None)
 
 
 def check_args(args):

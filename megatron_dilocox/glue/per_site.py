@@ -1,7 +1,6 @@
-"""Per-site H in Megatron (docs/algorithm.md#sites-of-different-speeds): whether a run gets it, the site's plan
-before Megatron builds its scheduler and data, and, every step, Megatron's LR schedule, loop end and periodic
-evaluation moved from this site's iterations to the run's progress in tokens (outer/budget.py), so that every site
-ends at the same round, at the same point of its schedule, having evaluated the same global model as often.
+"""Per-site H in Megatron (docs/algorithm.md#sites-of-different-speeds): whether a run gets it, and the site's plan
+before Megatron builds its scheduler and data. Every step after that, what Megatron decided by its own iterations
+(the LR schedule, the loop's end, evaluations, saves, exits) follows the run's clock instead (glue/run_clock.py).
 
 ``opt`` below is the glue's DiLoCoXOptimizer (glue/seam.py)."""
 from __future__ import annotations
@@ -14,7 +13,6 @@ from megatron_dilocox.config import DiLoCoXConfigError
 from megatron_dilocox.outer.plan import MAX_SPEED_RATIO
 
 log = logging.getLogger("megatron_dilocox")
-NEVER = 1 << 62  # an --eval-interval no iteration reaches
 
 
 def run_iters(args) -> Optional[int]:
@@ -58,7 +56,7 @@ def plan(args):
                                  "(add --dilocox-no-per-site-h for lockstep rounds)")
     if getattr(args, "train_samples", None):  # Megatron's sample-based run: the same plan, counted in samples
         args.dilocox_planned_iters = args.train_samples // args.global_batch_size
-        args.dilocox_eval_marks = args.dilocox_planned_iters // args.eval_interval if args.eval_interval else 0
+        _marks(args)
         if args.lr_decay_samples is None:
             args.lr_decay_samples = args.train_samples
         args.train_samples = math.ceil(args.train_samples * MAX_SPEED_RATIO)
@@ -66,10 +64,22 @@ def plan(args):
     if not getattr(args, "train_iters", None):
         raise DiLoCoXConfigError("--dilocox-per-site-h: give the run's length (--train-iters or --train-samples)")
     args.dilocox_planned_iters = args.train_iters
-    args.dilocox_eval_marks = args.train_iters // args.eval_interval if args.eval_interval else 0
+    _marks(args)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     args.train_iters = math.ceil(args.train_iters * MAX_SPEED_RATIO)
+
+
+def _marks(args):
+    """How many times in the planned run Megatron would evaluate, save and exit (--eval-interval, --save-interval,
+    --exit-interval, in planned iterations): glue/run_clock.py takes each at the same points of the run on every
+    site."""
+    planned = args.dilocox_planned_iters
+    args.dilocox_marks = {kind: planned // every
+                          for kind, every in (("eval", getattr(args, "eval_interval", None)),
+                                              ("save", getattr(args, "save_interval", None)),
+                                              ("exit", getattr(args, "exit_interval", None))) if every}
+    args.dilocox_eval_marks = args.dilocox_marks.get("eval", 0)
 
 
 def plan_tokens(opt, args):
@@ -78,42 +88,3 @@ def plan_tokens(opt, args):
     if opt.cfg.per_site_h and core is not None:
         core.tokens_per_step = opt.tokens_per_step
         core.token_budget = run_iters(args) * opt.tokens_per_step
-
-
-def follow_the_run(opt):
-    """--dilocox-per-site-h: Megatron's LR schedule at the run's progress in tokens (outer/budget.py), not at
-    this site's own iterations; and the loop ends where the run does (every site at the same round)."""
-    from megatron.training import get_args
-    args = get_args()
-    progress = opt.sync.progress()
-    if progress is not None and opt.scheduler is not None:  # Megatron steps it by one batch after this
-        opt.scheduler.num_steps = max(0, int(progress * run_iters(args) * args.global_batch_size)
-                                       - args.global_batch_size)
-    if opt.sync.run_complete and opt.sync.iteration < opt.train_iters:
-        log.info("DiLoCoX: the sites' tokens reach the run's total: this site ends at iteration %d",
-                 opt.sync.iteration)
-        opt.train_iters = args.train_iters = opt.sync.iteration
-
-
-def evaluate_with_the_run(opt):
-    """--dilocox-per-site-h: Megatron's periodic evaluation (--eval-interval of the planned iterations) at the
-    same points of the *run* on every site: at the first round boundary whose projected tokens pass the next
-    k / (planned iterations // --eval-interval) of the total, decided from numbers every site shares. So every
-    site evaluates the same global model the same number of times, reading the same validation batches, and
-    the final evaluations agree (at a site's own iterations, a fast site would evaluate more often and read
-    further into the validation set)."""
-    from megatron.training import get_args
-    args = get_args()
-    marks = getattr(args, "dilocox_eval_marks", 0)
-    if not marks:
-        return
-    at = opt.sync.boundary_progress()
-    due = int(at * marks + 1e-9) if at is not None else 0
-    if opt.evals_done is None:
-        opt.evals_done = due  # (a resumed run: the marks passed before its checkpoint)
-    if due > opt.evals_done:
-        opt.evals_done = due
-        args.eval_interval = opt.sync.iteration  # Megatron evaluates when iteration % eval_interval == 0
-    else:
-        args.eval_interval = NEVER
-

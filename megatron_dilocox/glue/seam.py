@@ -38,7 +38,7 @@ import torch
 
 from megatron_dilocox.compression.layout import split_layout
 from megatron_dilocox.config import PARALLEL_LAYOUT_ARGS, DiLoCoXConfig
-from megatron_dilocox.glue import checkpoints, per_site
+from megatron_dilocox.glue import checkpoints, per_site, run_clock
 from megatron_dilocox.glue.per_site import run_iters
 from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views
 from megatron_dilocox.metrics import MetricsWriter
@@ -85,7 +85,7 @@ class DiLoCoXOptimizer:
         self.inner = inner
         self.cfg = cfg
         self.train_iters = getattr(args, "train_iters", None)
-        self.evals_done: Optional[int] = None  # per-site H: evaluation marks of the run passed so far
+        self.marks_done: dict = {}  # per-site H: the evaluate/save/exit marks of the run taken so far (run_clock.py)
         self.scheduler = None  # Megatron's LR scheduler (set by setup_model_and_optimizer below)
         # each round's weight in the average (--dilocox-token-weights): the samples x tokens this site trains per step
         self.tokens_per_step = float(args.global_batch_size * args.seq_length)
@@ -163,14 +163,14 @@ class DiLoCoXOptimizer:
         if self.train_iters is None:  # --train-samples: Megatron derives train_iters after building the optimizer
             from megatron.training import get_args
             self.train_iters = get_args().train_iters
+        run_clock.before_step(self)
         success, grad_norm, num_zeros = self.inner.step()
         seen = len(self.sync.rows)
         if success and self.sync.after_inner_step(tokens=self.tokens_per_step):
             with torch.no_grad():
                 self._refresh_model_params()
-        if success and self.cfg.per_site_h:
-            per_site.follow_the_run(self)
-            per_site.evaluate_with_the_run(self)
+        if success:
+            run_clock.after_step(self)  # the run's decisions at this step: end, LR, evaluate, save, exit
         if success and self.sync.iteration == self.train_iters:
             self.finalize()  # before Megatron's final evaluation and checkpoint
         if self.sync.stopped:
@@ -353,6 +353,7 @@ def install(cfg: DiLoCoXConfig, args):
             return _installed["evaluate"](*a, **kw)
 
     checkpoints.install(args)
+    checkpoints.track(lambda: optimizer.sync.position() if (optimizer := _installed.get("optimizer")) else None)
     training.get_megatron_optimizer = get_megatron_optimizer
     training.setup_model_and_optimizer = setup_model_and_optimizer
     training.evaluate = evaluate
@@ -380,5 +381,6 @@ def install_from_args(args):
     args.dilocox_config = cfg.public_dict()  # shows in Megatron's argument dump / wandb config, no secret
     if cfg.per_site_h:
         per_site.plan(args)
+    run_clock.install(args, cfg.num_clusters)
     install(cfg, args)
     return cfg

@@ -13,7 +13,7 @@ transfers while training). Fragments pay there and cost on a fast link (main job
 
 Why eight: each fragment lands ~H/F steps after it leaves; at H = 100 with τ = H/F on loopback, F = 8 ties F = 4
 on the KJV (3.9806 vs 3.9801) and is lower on the Python docs (4.5482 vs 4.6270); at a second seed it is lower
-on both (4.0547 vs 4.0635, 4.5127 vs 4.5172), for seven more 80-byte headers per round. F must stay <= H min
+on both (4.0547 vs 4.0635, 4.5127 vs 4.5172), for seven more headers (then 80 bytes) per round. F must stay <= H min
 (--dilocox-h-min, by default --dilocox-h), so a fragment's round is at least one step: a run below H = 8 never
 switches.
 

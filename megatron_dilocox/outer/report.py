@@ -45,7 +45,8 @@ def round_row(sync, r, exposed: float, h_used: int, rank_used: int) -> dict:
         "pseudo_grad_norm": sums[3] ** 0.5,
         "global_model_hash": hashes[0] if solo else hashlib.sha256("".join(hashes).encode()).hexdigest()[:16],
         # this cluster's tokens in the round and its share of the average (codec: token weights)
-        "tokens": r.tokens, "weight": r.tokens / sum(r.weights) if r.weights else 0.0,
+        "tokens": r.tokens, "steps": r.steps,
+        "weight": r.weights[r.member_index] / sum(r.weights) if r.weights else 0.0,
         "repaired": sorted({int(c) for _, rs in gathered for c in rs.split(",") if c}),
     }
 

@@ -19,7 +19,6 @@ from megatron_dilocox.outer import plan
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DiLoCoXConfig)}
-BUDGET_FIELDS = ("budget_total", "run_iters_global", "tokens_per_global_step", "global_tokens", "last_round_global", "projected", "run_complete")
 
 
 def save(sync) -> dict:
@@ -31,7 +30,8 @@ def save(sync) -> dict:
         "config": sync.cfg.agreement_dict(),
         "round": sync.round, "steps_in_round": sync.steps_in_round, "iteration": sync.iteration,
         "round_tokens": sync.round_tokens, "launched_tokens": sync._launched_tokens,
-        "budget": {k: getattr(sync, k) for k in BUDGET_FIELDS},
+        "round_steps": sync.round_steps, "launched_steps": sync._launched_steps, "token_budget": sync.token_budget,
+        "clock": sync.clock.state_dict(),
         "h": sync.h, "tau": sync.tau, "comm_seconds_prev": sync.comm_seconds_prev, "step_seconds": sync.step_seconds,
         "seconds_per_byte_prev": sync.link.seconds_per_byte,
         "anchor": [a.clone() for a in sync.anchor],
@@ -68,8 +68,10 @@ def load(sync, state: dict):
     # (checkpoints from before token weights: the steps of the round so far)
     sync.round_tokens = state.get("round_tokens", sync.steps_in_round * sync.tokens_per_step)
     sync._launched_tokens = state.get("launched_tokens", 0.0)
-    for k, v in state.get("budget", {}).items():
-        setattr(sync, k, v)
+    # (checkpoints from before steps travelled with tokens: the steps of the round so far, of the round in flight)
+    sync.round_steps = state.get("round_steps", sync.steps_in_round)
+    sync._launched_steps = state.get("launched_steps", state.get("h", 1))
+    sync.clock.load_state_dict(state.get("clock", state.get("budget", {})))  # ("budget": before the clock)
     sync.h, sync.comm_seconds_prev, sync.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
     sync.tau = state.get("tau", plan.fixed_tau(sync.cfg, sync.h))  # checkpoints from before τ was saved (τ was H)
     sync.link.seconds_per_byte = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)

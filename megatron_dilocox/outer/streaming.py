@@ -23,6 +23,7 @@ Not supported: a cluster rejoining a run in progress (--dilocox-on-peer-failure 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 from typing import Optional, Sequence
 
@@ -142,7 +143,8 @@ class StreamingSync:
             f.codec.error = carve(error)
             f.codec.set_rank(sync.codec.rank, sync.round)
             f.round, f.steps_in_round, f.iteration, f.h = sync.round, sync.steps_in_round, sync.iteration, sync.h
-            f.round_tokens, f.tokens_per_step = sync.round_tokens, sync.tokens_per_step
+            f.round_tokens, f.round_steps, f.tokens_per_step = sync.round_tokens, sync.round_steps, sync.tokens_per_step
+            f.clock, f.end_request = dataclasses.replace(sync.clock), sync.end_request
             f.step_seconds, f._last_hook = sync.step_seconds, sync._last_hook
             # its own transfer is not measured yet: 0 keeps τ (and fragment 0's H) until it is. (The whole round's
             # time over the link share was no stand-in: on the ratio-325 link the switch followed a round whose
@@ -215,8 +217,24 @@ class StreamingSync:
         return self.lead.iteration
 
     @property
+    def clock(self):
+        """The run's clock: fragment 0's (each fragment's rounds carry all of its steps' tokens)."""
+        return self.lead.clock
+
+    def position(self) -> tuple[int, int]:
+        return self.lead.position()
+
+    def request_end(self):
+        for f in self.fragments:
+            f.request_end()
+
+    @property
     def stopped(self) -> Optional[str]:
         return next((f.stopped for f in self.fragments if f.stopped), None)
+
+    @property
+    def stopped_round(self) -> int:
+        return next((f.stopped_round for f in self.fragments if f.stopped), 0)
 
     @property
     def start_broadcast(self) -> bool:

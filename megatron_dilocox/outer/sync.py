@@ -56,7 +56,8 @@ from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.net.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import budget, handover, plan, repair, report, resume
+from megatron_dilocox.outer import handover, plan, repair, report, resume
+from megatron_dilocox.outer.clock import RunClock
 from megatron_dilocox.outer.link import LinkRate, probe_link
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
@@ -66,6 +67,15 @@ log = logging.getLogger("megatron_dilocox")
 
 class DivergedError(FloatingPointError):
     """This cluster's own pseudo-gradient is NaN/Inf: its inner training diverged."""
+
+
+class RunStopped(RuntimeError):
+    """A round stopped the run (a lost peer under --dilocox-on-peer-failure stop, a payload whose tag does not
+    verify, ...): no step after it may pass for training (api.py raises it at the next step)."""
+
+    def __init__(self, round_idx: int, reason: str):
+        super().__init__(reason)
+        self.round, self.reason = round_idx, reason
 
 
 class DiLoCoXSync:
@@ -107,17 +117,13 @@ class DiLoCoXSync:
         self.link = LinkRate()  # the link's measured rate, for --dilocox-link-budget (fragments share one)
         self.step_seconds = 0.0  # EMA of the inner-step time (between hooks)
         self.tokens_per_step = 1.0  # this cluster's tokens per inner step (glue: global batch x sequence length)
-        self.round_tokens = 0.0  # tokens trained since the last launched round: the next round's weight
-        self._launched_tokens = 0.0
-        # --dilocox-per-site-h: the run ends at a token total every site computes alike (budget.py)
+        self.round_tokens = 0.0  # tokens trained since the last launched round (its header; the run's clock)
+        self.round_steps = 0  # and the inner steps they took: the round's weight is their ratio (codec.py)
+        self._launched_tokens, self._launched_steps = 0.0, 0
+        # where the run is, in numbers every site holds alike (clock.py); per-site H: the run ends at a token total
+        self.clock = RunClock()
         self.token_budget = 0.0  # this site's planned tokens (the glue: --train-iters x tokens per step)
-        self.budget_total = 0.0  # every site's, summed at start
-        self.run_iters_global: Optional[int] = None  # the longest site's planned iterations (outer-lr warm-up)
-        self.tokens_per_global_step = 0.0  # one step of every site
-        self.global_tokens = 0.0  # tokens of every applied round, all sites together
-        self.last_round_global = 0.0  # of the last applied round
-        self.projected = 0.0  # at the last boundary: applied + the round in flight (as large as the last one)
-        self.run_complete = False
+        self.end_request = False  # this site asks the run to end at a boundary (--exit-duration-in-mins)
         self._last_hook = None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
         self._in_flight: Optional[concurrent.futures.Future] = None
@@ -126,6 +132,7 @@ class DiLoCoXSync:
         self.last_row: Optional[dict] = None
         self.rows: list[dict] = []  # every round's metrics row, in order (small dicts; one per round)
         self.stopped: Optional[str] = None  # why the run must stop (a peer lost under policy stop, ...)
+        self.stopped_round = 0  # the round that stopped it
         self._launched_delta = None  # δ of the round in flight (kept as error feedback if it is dropped)
         self.joined_midrun = False
         self.start_broadcast = False  # whether start() had to send cluster 0's model (it differed somewhere)
@@ -149,7 +156,7 @@ class DiLoCoXSync:
         self.outer = OuterNesterov.from_config(self.anchor, self.cfg)
         self._restart_round_at_anchor()
         if self.cfg.per_site_h:
-            budget.agree(self)
+            self.clock.agree(self.group, self.token_budget, self.tokens_per_step, self.train_iters)
         if self.link_budget and self.link.seconds_per_byte == 0:  # (a fragment after the first: already probed)
             self.link.seconds_per_byte = probe_link(self.group, self.codec.payload_sizes(0)[0])
         self._last_hook = time.perf_counter()
@@ -197,6 +204,7 @@ class DiLoCoXSync:
         if tokens is not None:
             self.tokens_per_step = tokens
         self.round_tokens += self.tokens_per_step
+        self.round_steps += 1
         changed = False
         if self.steps_in_round >= self.h if boundary_due is None else boundary_due:
             self.boundary()
@@ -213,16 +221,18 @@ class DiLoCoXSync:
         self.round += 1
         self.steps_in_round = 0
         tokens, self.round_tokens = self.round_tokens, 0.0
+        steps, self.round_steps = self.round_steps, 0
         if not self.delayed:
             t0 = time.perf_counter()
-            result = self._exchange(delta, self.round, self.iteration, tokens)
+            result = self._exchange(delta, self.round, self.iteration, tokens, steps)
             self._apply(result, exposed=time.perf_counter() - t0)
             if self.stopped:
                 self.round -= 1  # dropped: θ keeps δ_t, the next δ (measured from φ) carries it
                 self.round_tokens += tokens
+                self.round_steps += steps
                 return
             self._set_params(self.anchor)  # θ ← φ
-            budget.at_boundary(self)
+            self.clock.at_boundary(self.round, in_flight=False)
         else:
             if self._in_flight is not None or self._done is not None:
                 t0 = time.perf_counter()
@@ -232,11 +242,11 @@ class DiLoCoXSync:
                     self._keep_dropped_delta()
                     self.round -= 2
                     return
-            self._launched_delta, self._launched_tokens = delta, tokens
-            self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration, tokens)
+            self._launched_delta, self._launched_tokens, self._launched_steps = delta, tokens, steps
+            self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration, tokens, steps)
             self._set_params(self._local_start(delta))
             self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
-            budget.at_boundary(self)
+            self.clock.at_boundary(self.round, in_flight=True)
             if self.tau == 0:  # synchronous landing (plan.SYNC_LANDING_STEPS): θ = φ + (θ − θ_s) = φ exactly
                 self.land()
 
@@ -261,7 +271,8 @@ class DiLoCoXSync:
     def _keep_dropped_delta(self):
         """A round dropped everywhere: its δ joins the error feedback, so the next round sends it."""
         self.codec.error = [e + d.to(e.device) for e, d in zip(self.codec.error, self._launched_delta)]
-        self.round_tokens += self._launched_tokens  # (and its weight with it)
+        self.round_tokens += self._launched_tokens  # (and its tokens and steps with it)
+        self.round_steps += self._launched_steps
         self._launched_delta = None
 
     def _local_start(self, delta) -> list:
@@ -275,7 +286,7 @@ class DiLoCoXSync:
         if self.eager:
             if self.correction is None:
                 self.correction = LocalCorrection([a.shape for a in self.anchor], self.cfg, self.outer_device)
-            self.correction.step(delta, self.local_weight, lr=budget.outer_lr(self, self.iteration, self.global_tokens))
+            self.correction.step(delta, self.local_weight, lr=self.outer_lr(self.iteration, self.clock.tokens_applied))
             return [a.to(d.device) + c.to(d.device) for a, c, d in zip(self.anchor, self.correction.value, delta)]
         # θ ← φ − w δ_t in one pass (w = 1: 1.0 * δ is exact, so bitwise φ − δ_t)
         return [torch.sub(a.to(d.device), d, alpha=self.local_weight) for a, d in zip(self.anchor, delta)]
@@ -311,12 +322,12 @@ class DiLoCoXSync:
             self.group.close()
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _exchange(self, delta, round_idx, iteration, tokens: float = 1.0) -> ExchangeResult:
+    def _exchange(self, delta, round_idx, iteration, tokens: float = 1.0, steps: int = 1) -> ExchangeResult:
         """One round's exchange, committed only when every member agrees (net/membership.py); a failed
         attempt leaves the codec as it was and, per the verdict, is retried by the survivors or dropped.
         (Runs in the exchange thread: φ and the momentum are not written until the main thread applies it.)"""
         t0, wall0 = time.perf_counter(), time.time()
-        launched_tokens = self.global_tokens  # (the main thread changes it only when it applies this round)
+        launched_tokens = self.clock.tokens_applied  # (the main thread changes it only when it applies this round)
         state_hash = self.state_hash()
         # round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
         # header every cluster shares (no landing has run _adapt yet)
@@ -328,7 +339,8 @@ class DiLoCoXSync:
                 result, outcome = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev,
                                                       self.step_seconds, self.link.seconds_per_byte,
                                                       link_steps=first_link_steps, tokens=max(tokens, 1e-30),
-                                                      state_hash=state_hash), "ok"
+                                                      steps=max(steps, 1), state_hash=state_hash,
+                                                      end_request=self.end_request), "ok"
                 if len(set(result.state_hashes)) > 1:
                     repair.fetch(self, result, state_hash)
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
@@ -375,11 +387,19 @@ class DiLoCoXSync:
         return repair.state_hash(self)
 
     def progress(self) -> Optional[float]:
-        """--dilocox-per-site-h: the run's fraction trained so far (budget.py); None otherwise."""
-        return budget.progress(self)
+        """--dilocox-per-site-h: the run's fraction trained so far (clock.py); None otherwise."""
+        return self.clock.progress(self.steps_in_round, self.h, self.iteration, self.tokens_per_step, self.token_budget)
 
-    def boundary_progress(self) -> Optional[float]:
-        return budget.boundary_progress(self)
+    def position(self) -> tuple[int, int]:
+        """Where this site is in the run: (rounds launched, steps into the next); a checkpoint records it."""
+        return self.round, self.steps_in_round
+
+    def request_end(self):
+        """Ask every site to end the run at a boundary (the next round's header carries it; clock.py)."""
+        self.end_request = True
+
+    def outer_lr(self, launched_at: int, launched_tokens: float) -> float:
+        return self.clock.outer_lr(self.cfg, launched_at, launched_tokens, self.train_iters)
 
     def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
         """φ ← Outer(φ, Δ) at the outer lr of the round's start iteration (config.outer_lr_at), then the next
@@ -393,6 +413,7 @@ class DiLoCoXSync:
         if result.wire_bytes > 0:
             self.link.update(result.wire_seconds / result.wire_bytes)
         if result.status.startswith("stopped"):
+            self.stopped_round = result.round
             self.stopped = (f"DiLoCoX round {result.round} {result.status} (--dilocox-on-peer-failure "
                             f"{self.cfg.on_peer_failure}); the global model was not changed")
             log.error("%s", self.stopped)
@@ -405,9 +426,8 @@ class DiLoCoXSync:
             repair.install(self, result.repair)
             result.repair = None
         if result.deltas is not None:
-            self.last_round_global = sum(result.weights)
-            self.global_tokens += self.last_round_global
-            lr = budget.outer_lr(self, result.launched_at, result.launched_tokens)
+            self.clock.applied(result.member_tokens, result.end_requested)
+            lr = self.outer_lr(result.launched_at, result.launched_tokens)
             self.outer.step(result.deltas, lr=lr)  # φ ← Outer(φ, Δ)
         else:
             log.warning("DiLoCoX round %d %s; the global model was not changed", result.round, result.status)

@@ -7,7 +7,7 @@ Bytes: the tensors every rank of a cluster owns are built from a Megatron GPT la
 column-parallel and columns of row-parallel weights, PP splits layers, DP either splits every parameter
 into contiguous row-aligned slices like the distributed optimizer, or deals whole tensors round-robin).
 Each rank's DiLoCoX payload is the codec's closed form (``PseudoGradientCodec.payload_sizes``): low-rank P
-and Q of same-shape matrix groups plus the small tensors whole, each ``payload_bytes`` long; an 80-byte
+and Q of same-shape matrix groups plus the small tensors whole, each ``payload_bytes`` long; a 96-byte
 header, phase 1 and phase 2 travel as all-gathers ((C-1)*S bytes sent) or, at 32 bits, ring all-reduces
 (floor(2(C-1)S/C)). All ranks of a cluster share the one link, so T_comm = (sum over ranks) / bandwidth
 + latency per ring hop.
@@ -30,7 +30,7 @@ from typing import Optional
 from megatron_dilocox.sim.boundary import (HOST_COPY_GB_S, HOST_ELEMENTWISE_GB_S, HOST_FIRST_TOUCH_GB_S, NODE_MEMORY_GB_S,
                                            PCIE_GB_S, SHA256_GB_S, exchange_and_boundary)
 
-HEADER_BYTES = 80  # codec.HEADER_BYTES: 10 float64 values
+HEADER_BYTES = 96  # codec.HEADER_BYTES: 12 float64 values
 SCALE_BYTES = 4  # one fp32 scale per quantization block
 TAG_BYTES = 32  # compression/auth.py: an HMAC-SHA256 tag per message
 SUMMABLE_BITS = (4, 8, 16, 32)  # compression/scatter.py

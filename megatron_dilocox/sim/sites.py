@@ -5,8 +5,8 @@ site runs the same H, so a round lasts H x max_c s_c and a faster site waits the
 Sized per site (docs/algorithm.md#sites-of-different-speeds; --dilocox-per-site-h runs the same rule), the slowest site runs H steps and sets the round's
 wall time T = H x max_c s_c (at least the transfer's time with the margin, when it is given), and every site runs
 H_c = floor(T / s_c) steps: the most that reach the boundary no later than the slowest site, so a site waits
-less than one of its own steps per round. Each site's pseudo-gradient is weighted by its tokens in the round,
-H_c x its tokens per step (codec.py's token weights).
+less than one of its own steps per round. Each site's pseudo-gradient is weighted by its tokens per step (codec.py:
+one token, one vote; the pseudo-gradient itself already grows with H_c), so the weight does not change with H.
 
 The figures (tokens/s of the run) are what the compute gives; the exchange is assumed hidden behind the next
 round (the overlap modes), as the cost model assumes for DiLoCoX rounds. Pure arithmetic.
@@ -71,10 +71,10 @@ def plan_sites(sites: list[Site], h: int, comm_seconds: float = 0.0, margin: flo
     return {
         "round_seconds": round_seconds,
         "sites": [{"gpus": s.gpus, "tokens_per_s": s.tokens_per_s, "step_seconds": s.step_seconds, "H": hc,
-                   "weight": t / sum(tokens), "wait_share": 1.0 - hc * s.step_seconds / round_seconds,
-                   "lockstep_weight": lt / sum(lock_tokens),
+                   "weight": s.tokens_per_step / sum(x.tokens_per_step for x in sites), "wait_share": 1.0 - hc * s.step_seconds / round_seconds,
+                   "lockstep_weight": lt / sum(lock_tokens),  # (equal H: the same weight)
                    "lockstep_wait_share": 1.0 - lock_h * s.step_seconds / lock_seconds}
-                  for s, hc, t, lt in zip(sites, hs, tokens, lock_tokens)],
+                  for s, hc, lt in zip(sites, hs, lock_tokens)],
         "tokens_per_s": per_site, "lockstep_tokens_per_s": lockstep, "ideal_tokens_per_s": ideal,
         "vs_lockstep": per_site / lockstep, "vs_ideal": per_site / ideal, "lockstep_vs_ideal": lockstep / ideal,
     }
