@@ -29,7 +29,7 @@ PKG = ROOT / "megatron_dilocox"
 IMPORTS_MEGATRON = {
     "megatron_dilocox.pretrain_gpt",
     "megatron_dilocox.data.prepare",
-    "megatron_dilocox.glue.canonical", "megatron_dilocox.glue.per_site",
+    "megatron_dilocox.glue.canonical", "megatron_dilocox.glue.run_clock",
     "megatron_dilocox.glue.checkpoint_fixes",
     "megatron_dilocox.glue.checkpoints",
     "megatron_dilocox.glue.cpu_backend",

@@ -14,11 +14,13 @@ import torch
 
 from megatron_dilocox.compression.auth import TAG_BYTES
 from megatron_dilocox.compression.codec import HEADER_BYTES
+from megatron_dilocox.glue import checkpoints
 from megatron_dilocox.harness import throttle
 from megatron_dilocox.harness.spawn import free_port
 from megatron_dilocox.metrics import read_rows
 from tests.coord_util import CoordinatorProcess
-from tests.megatron_flags import failure_report, run_on_cpu, start_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
+from tests.megatron_flags import (failure_report, metrics_rows, run_many_on_cpu, run_on_cpu, start_on_cpu,
+                                  tiny_dilocox_flags, tiny_gpt_flags)
 
 pytestmark = pytest.mark.megatron
 
@@ -193,7 +195,8 @@ def test_a_site_killed_mid_round_resumes_with_another_process_count(corpus, tmp_
     codes, logs = run_on_cpu(2, 1, megatron, dilocox, timeout=420)
     assert codes == [0, 0], failure_report(logs)
     for log in logs:
-        assert any("DiLoCoX resume: every cluster loads iteration 8" in line for line in log.lines), log.lines[-40:]
+        assert any("DiLoCoX resume: every cluster resumes at round 2; this cluster loads iteration 8" in line
+                   for line in log.lines), log.lines[-40:]
     after = [read_rows(f"{tmp_path}/metrics_c{c}.jsonl")[n:] for c, n in enumerate(first)]
     # round 2 was in flight at iteration 8: saved with the checkpoint as finished, applied after the restart
     assert [r["round"] for r in after[0]] == [r["round"] for r in after[1]] == [2, 3, 4]
@@ -215,7 +218,7 @@ def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
     large-run recipes give it): from round 3 on the fast site runs more steps per round than the slow one (and
     weighs more), both end at the same round once their tokens together reach the planned total
     (2 x 192 samples x 128 tokens), the fast site having trained more iterations than its 192 / 8 = 24, every
-    round's hash equal; both sites' cosine LR schedules follow the run's tokens, so they end at the same point of
+    round's hash equal, each weighing half (one token, one vote: the same batch); both sites' cosine LR schedules follow the run's tokens, so they end at the same point of
     the schedule although their iteration counts differ."""
     iters = 24
     megatron = [a if a != "--train-iters" else "--train-samples" for a in tiny_gpt_flags(corpus, iters)]
@@ -230,8 +233,8 @@ def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
     rows = rows_of(tmp_path, 2)
     fast, slow = rows
     assert len(fast) == len(slow) >= 3
-    for f, s in list(zip(fast, slow))[2:]:
-        assert f["H"] > s["H"] and f["weight"] > s["weight"], (f["H"], s["H"])
+    for f, s in list(zip(fast, slow))[2:]:  # one token, one vote: the same batch, the same weight, whatever H
+        assert f["H"] > s["H"] and f["weight"] == s["weight"] == 0.5, (f["H"], s["H"], f["weight"], s["weight"])
     total, last = sum(r["tokens"] for rs in rows for r in rs), fast[-1]["tokens"] + slow[-1]["tokens"]
     budget = 2 * iters * 8 * 128
     assert budget - last / 2 <= total <= budget + last, (total, budget, last)
@@ -245,6 +248,82 @@ def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
     assert lrs[0][iters] > end_lr[0], (lrs[0][iters], end_lr)
     print(f"SITES per-site H at half a core: iterations {ends}, H {[r['H'] for r in fast]} vs {[r['H'] for r in slow]}"
           f", final LR {end_lr}")
+
+
+RESUME_RE = re.compile(r"every cluster resumes at round (\d+); this cluster loads iteration (\d+)")
+
+
+@pytest.mark.skipif(throttle.unavailable() is not None, reason=f"cgroup cpu quota: {throttle.unavailable()}")
+def test_a_crash_with_the_defaults_resumes_every_site_at_the_same_round(corpus, tmp_path):
+    """The defaults (per-site H, adaptive H and τ, the link budget) plus --save/--load every 4 planned iterations;
+    site 1 at half a core, so the sites run different iterations per round. Every process of both sites is
+    SIGKILLed mid-run, then both restart, site 1 now unthrottled (another speed). Saves land on the run's marks
+    (the same rounds on both sites, at different iterations); both sites resume at the same round, the newest
+    complete on both, each loading its own iteration of it; every round after the restart is applied with equal
+    hashes on both, and both end at the same round."""
+    iters = 32
+    ckpt = f"{tmp_path}/ckpt_c{{cluster}}"
+    megatron = tiny_gpt_flags(corpus, iters, "--save", ckpt, "--load", ckpt, "--save-interval", "4",
+                              "--ckpt-format", "torch_dist")
+    dilocox = ["--dilocox-h", "4", "--dilocox-metrics-file", f"{tmp_path}/metrics_c{{cluster}}.jsonl"]
+    with throttle.cpu_quota(f"dilocox_test_{os.getpid()}", 0.5) as slow:
+        cl = start_on_cpu(2, 1, megatron, dilocox, prefix_by_cluster={1: slow})
+        try:
+            saved = lambda c: checkpoints.places(f"{tmp_path}/ckpt_c{c}") if os.path.isdir(f"{tmp_path}/ckpt_c{c}") else {}  # noqa: E731
+            assert cl.logs[1].wait_for(lambda log: len(saved(1)) >= 2 and log.last_iteration >= 15, 400), \
+                failure_report(cl.logs)
+            for c in range(2):
+                cl.kill(c, signal.SIGKILL)
+            cl.wait(60)
+        finally:
+            cl.stop()
+    places = [saved(c) for c in range(2)]
+    for log in cl.logs:
+        assert any("DiLoCoX rounds: per-site H" in line for line in log.lines), failure_report([log])
+    rounds = [{r for r, _ in p.values()} for p in places]
+    # saves at the run's marks: the rounds site 1 saved, site 0 saved too (at other iterations of its own)
+    assert rounds[1] and rounds[1] <= rounds[0], places
+    assert any(i0 != i1 for i0, (r0, _) in places[0].items() for i1, (r1, _) in places[1].items() if r0 == r1), places
+    first = [len(metrics_rows(tmp_path, c)) for c in range(2)]
+    codes, logs = run_on_cpu(2, 1, megatron, dilocox, timeout=600)
+    assert codes == [0, 0], failure_report(logs)
+    resumed = [RESUME_RE.search("\n".join(log.lines)) for log in logs]
+    assert all(resumed), failure_report(logs)
+    agreed = {int(m.group(1)) for m in resumed}
+    assert len(agreed) == 1 and agreed.pop() == max(rounds[0] & rounds[1]), (resumed, places)
+    for c, m in enumerate(resumed):
+        assert places[c][int(m.group(2))][0] == int(m.group(1)), (c, m.group(0), places[c])
+    after = [metrics_rows(tmp_path, c)[n:] for c, n in enumerate(first)]
+    assert after[0] and [r["round"] for r in after[0]] == [r["round"] for r in after[1]], after
+    assert [r["global_model_hash"] for r in after[0]] == [r["global_model_hash"] for r in after[1]]
+    assert all(r["status"] == "applied" for rs in after for r in rs)
+    print(f"SITES crash with the defaults: saved rounds {sorted(rounds[0])} / {sorted(rounds[1])}, resumed at "
+          f"{[m.group(0) for m in resumed]}, rounds after {[r['round'] for r in after[0]]}")
+
+
+def test_a_per_site_run_reads_the_validation_samples_a_lockstep_run_reads(corpus, tmp_path):
+    """Per-site H (the default) makes room for 4x the iterations, and Megatron sizes (so shuffles) its validation
+    set from --train-iters: the validation split's index arrays (which documents, where each sample starts, the
+    order the samples are read: the samples themselves) of a per-site run are byte-identical to a lockstep run's
+    (--dilocox-no-per-site-h) of the same data and evaluation settings. (Without the plan's counts the per-site
+    run's validation set is 4x + 1 evaluations long, and its arrays and samples differ.)"""
+    iters = 8
+    runs = {}
+    for name, extra in (("per_site", ["--dilocox-adaptive-h"]), ("lockstep", ["--dilocox-no-per-site-h"])):
+        cache = tmp_path / f"cache_{name}"
+        runs[name] = (2, 1, tiny_gpt_flags(corpus, iters, "--data-cache-path", str(cache), "--eval-interval", "4"),
+                      tiny_dilocox_flags(tmp_path / name, *extra))
+        os.makedirs(tmp_path / name)
+    results = run_many_on_cpu(runs, timeout=400)
+    for name, (codes, logs) in results.items():
+        assert codes == [0, 0], (name, failure_report(logs))
+    assert any("DiLoCoX rounds: per-site H" in line for line in results["per_site"][1][0].lines)
+    arrays = {}
+    for name in runs:
+        files = sorted((tmp_path / f"cache_{name}").rglob("*-GPTDataset-valid-*.npy"))
+        assert len(files) == 3, (name, files)  # document, sample and shuffle index
+        arrays[name] = {f.name: f.read_bytes() for f in files}
+    assert arrays["per_site"] == arrays["lockstep"], (list(arrays["per_site"]), list(arrays["lockstep"]))
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from tests.megatron_flags import failure_report, metrics_rows, start_on_cpu, tin
 
 ITERS, H, SAVE_INTERVAL = 16, 4, 4
 RUN_TIMEOUT = 400
-AGREED_RE = re.compile(r"DiLoCoX resume: every cluster loads iteration (\d+)")
+AGREED_RE = re.compile(r"DiLoCoX resume: every cluster resumes at .*; this cluster loads iteration (\d+)")
 
 
 def launch(corpus, out):
@@ -149,13 +149,14 @@ def test_kill_while_a_checkpoint_is_written(kjv, tmp_path, reference):
 
 
 # ----------------------------------------------------------------------------------------------- unit tests
-def make_ckpt(root, complete=(), partial=(), tracker=None):
+def make_ckpt(root, complete=(), partial=(), tracker=None, places=None):
+    """A checkpoint directory; ``places``: {iteration: (round, steps into the next)} registered with them."""
     root.mkdir(parents=True, exist_ok=True)
     for it in (*complete, *partial):
         (root / f"iter_{it:07d}").mkdir()
         (root / f"iter_{it:07d}" / "metadata.json").write_text("{}")
     for it in complete:
-        ck.record_complete(str(root), it)
+        ck.record_complete(str(root), it, (places or {}).get(it))
     if tracker is not None:
         (root / ck.TRACKER).write_text(tracker)
     return str(root)
@@ -164,7 +165,7 @@ def make_ckpt(root, complete=(), partial=(), tracker=None):
 @pytest.mark.unit
 def test_registry_repairs_a_truncated_tracker_and_sets_an_incomplete_save_aside(tmp_path):
     d = make_ckpt(tmp_path / "c", complete=(4, 8), partial=(12,), tracker="")  # killed inside open('w')
-    assert json.loads((tmp_path / "c" / ck.REGISTRY).read_text()) == {"complete": [4, 8]}
+    assert json.loads((tmp_path / "c" / ck.REGISTRY).read_text()) == {"complete": [4, 8], "places": {}}
     assert ck.read_tracker(d) is None and ck.complete_iterations(d) == [4, 8]
     moved = ck.prepare_resume(d, d, 8)
     assert ck.read_tracker(d) == 8 and moved == [f"{d}/iter_0000012.dilocox-superseded-0"]
@@ -190,8 +191,12 @@ def test_registry_repairs_a_truncated_tracker_and_sets_an_incomplete_save_aside(
 
 
 @pytest.mark.unit
-def test_clusters_agree_on_the_newest_iteration_complete_everywhere(tmp_path):
-    """The real agreement function: this process is one cluster (a world of 1), a stand-in group adds the other."""
+def test_clusters_agree_on_the_newest_round_complete_everywhere(tmp_path):
+    """The real agreement function: this process is one cluster (a world of 1), a stand-in group adds the other's
+    offer, (round, steps into the next, iteration) per complete checkpoint. Lockstep: the place is the round and the
+    steps (the iteration, in effect). Per-site H: the round alone, each cluster loading its own iteration of it
+    (a fast site's iteration 12 is the slow site's 5), newer ones moved aside, the agreed one kept. A checkpoint
+    without its round counts by its iteration."""
     import torch
     import torch.distributed as dist
 
@@ -201,27 +206,45 @@ def test_clusters_agree_on_the_newest_iteration_complete_everywhere(tmp_path):
     class OtherCluster(Collective):
         rank, size = 0, 2
 
-        def __init__(self, iterations):
+        def __init__(self, offers):
             super().__init__()
-            vec = list(iterations) + [-1] * (ck.MAX_CANDIDATES - len(iterations))
+            vec = [v for o in offers for v in o] + [ck.PAD] * (3 * (ck.MAX_CANDIDATES - len(offers)))
             self.theirs = torch.tensor(vec, dtype=torch.int64).view(torch.uint8)
 
         def _all_gather(self, buf):
             assert buf.dtype == torch.uint8 and buf.shape == self.theirs.shape
             return [buf.clone(), self.theirs]
 
+    lockstep, per_site = SimpleNamespace(per_site_h=False), SimpleNamespace(per_site_h=True)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        d = make_ckpt(tmp_path / "c0", complete=(4, 8, 12), partial=(16,), tracker="12")
+        d = make_ckpt(tmp_path / "c0", complete=(4, 8, 12), partial=(16,), tracker="12",
+                      places={4: (1, 0), 8: (2, 0), 12: (3, 0)})
         args = SimpleNamespace(load=d, save=d, ckpt_step=None)
-        assert ck.agree_on_resume_iteration(None, args, OtherCluster([4, 8]), SingleRank()) == 8
+        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(1, 0, 4), (2, 0, 8)]), SingleRank()) == 8
         assert ck.read_tracker(d) == 8 and ck.complete_iterations(d) == [4, 8]
         assert superseded(d) == ["iter_0000012.dilocox-superseded-0", "iter_0000016.dilocox-superseded-0"]
         # one cluster alone (num_clusters 1): same registry logic, no exchange
-        assert ck.agree_on_resume_iteration(None, args, None, SingleRank()) == 8
+        assert ck.agree_on_resume_iteration(lockstep, args, None, SingleRank()) == 8
         # nothing in common: both start from scratch
-        assert ck.agree_on_resume_iteration(None, args, OtherCluster([12]), SingleRank()) == 0
+        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(3, 0, 12)]), SingleRank()) == 0
         assert ck.read_tracker(d) is None and not ck.iter_dirs(d)
+
+        # per-site H: this (fast) cluster saved rounds 1-3 at iterations 6, 12, 18 (and the stop's own checkpoint at
+        # 14, two steps into round 3); the slow one rounds 1-2 at 3 and 5: both resume at round 2, here at 12
+        d = make_ckpt(tmp_path / "fast", complete=(6, 12, 14, 18), places={6: (1, 0), 12: (2, 0), 14: (2, 2),
+                                                                            18: (3, 0)})
+        args = SimpleNamespace(load=d, save=d, ckpt_step=None)
+        assert ck.agree_on_resume_iteration(per_site, args, OtherCluster([(1, 0, 3), (2, 0, 5)]), SingleRank()) == 14
+        assert ck.complete_iterations(d) == [6, 12, 14] and ck.places(d)[14] == (2, 2)  # the agreed round's, kept
+        assert superseded(d) == ["iter_0000018.dilocox-superseded-0"]
+        # lockstep, the same offer: round 2 with 2 steps into the next is not the other's round 2 + 0 steps
+        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(1, 0, 3), (2, 0, 5)]), SingleRank()) == 12
+
+        # checkpoints that did not record their round: by their iteration
+        d = make_ckpt(tmp_path / "old", complete=(4, 8))
+        args = SimpleNamespace(load=d, save=d, ckpt_step=None)
+        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(-1, 4, 4), (-1, 8, 8)]), SingleRank()) == 8
     finally:
         dist.destroy_process_group()
 

@@ -206,7 +206,7 @@ def agree_on_resume_iteration(cfg, args, group, intra) -> int:
     if "megatron.training.training" in sys.modules:
         install(args)
     rank0 = torch.distributed.get_rank() == 0
-    mine = _candidates(args, bool(cfg.per_site_h)) if rank0 else []
+    mine = _candidates(args, bool(getattr(cfg, "per_site_h", False))) if rank0 else []
     vec = [float(v) for c in mine for v in c] + [float(PAD)] * (3 * (MAX_CANDIDATES - len(mine)))
     vec = [int(v) for v in intra.reduce(vec, "max")]  # rank 0's list on every rank of the cluster
     per_cluster = [vec]
