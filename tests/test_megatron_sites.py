@@ -297,6 +297,14 @@ def test_a_crash_with_the_defaults_resumes_every_site_at_the_same_round(corpus, 
     assert after[0] and [r["round"] for r in after[0]] == [r["round"] for r in after[1]], after
     assert [r["global_model_hash"] for r in after[0]] == [r["global_model_hash"] for r in after[1]]
     assert all(r["status"] == "applied" for rs in after for r in rs)
+    # and the run trained its planned total (2 x 32 x 8 samples x 128 tokens) once: the rounds before the agreed
+    # one from the first run, the rest from the second
+    start = after[0][0]["round"]
+    rows = [[r for r in metrics_rows(tmp_path, c)[:n] if r["round"] < start] + after[c] for c, n in enumerate(first)]
+    total, last, budget = sum(r["tokens"] for rs in rows for r in rs), rows[0][-1]["tokens"] + rows[1][-1]["tokens"], \
+        2 * iters * 8 * 128
+    assert [r["round"] for r in rows[0]] == list(range(1, len(rows[0]) + 1)), rows[0]
+    assert budget - last / 2 <= total <= budget + last, (total, budget, last)
     print(f"SITES crash with the defaults: saved rounds {sorted(rounds[0])} / {sorted(rounds[1])}, resumed at "
           f"{[m.group(0) for m in resumed]}, rounds after {[r['round'] for r in after[0]]}")
 

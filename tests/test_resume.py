@@ -193,10 +193,11 @@ def test_registry_repairs_a_truncated_tracker_and_sets_an_incomplete_save_aside(
 @pytest.mark.unit
 def test_clusters_agree_on_the_newest_round_complete_everywhere(tmp_path):
     """The real agreement function: this process is one cluster (a world of 1), a stand-in group adds the other's
-    offer, (round, steps into the next, iteration) per complete checkpoint. Lockstep: the place is the round and the
-    steps (the iteration, in effect). Per-site H: the round alone, each cluster loading its own iteration of it
-    (a fast site's iteration 12 is the slow site's 5), newer ones moved aside, the agreed one kept. A checkpoint
-    without its round counts by its iteration."""
+    offer, (place, iteration) per complete checkpoint. Lockstep: the place is the round and the iteration (the
+    same on every site; a stop's own checkpoint after a dropped round has the round count of an earlier one).
+    Per-site H: the round alone, each cluster loading its newest iteration of it (a fast site's iteration 12 is
+    the slow site's 5), newer ones moved aside, the agreed one kept. A checkpoint without its round counts by its
+    iteration."""
     import torch
     import torch.distributed as dist
 
@@ -221,13 +222,13 @@ def test_clusters_agree_on_the_newest_round_complete_everywhere(tmp_path):
         d = make_ckpt(tmp_path / "c0", complete=(4, 8, 12), partial=(16,), tracker="12",
                       places={4: (1, 0), 8: (2, 0), 12: (3, 0)})
         args = SimpleNamespace(load=d, save=d, ckpt_step=None)
-        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(1, 0, 4), (2, 0, 8)]), SingleRank()) == 8
+        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(1, 4, 4), (2, 8, 8)]), SingleRank()) == 8
         assert ck.read_tracker(d) == 8 and ck.complete_iterations(d) == [4, 8]
         assert superseded(d) == ["iter_0000012.dilocox-superseded-0", "iter_0000016.dilocox-superseded-0"]
         # one cluster alone (num_clusters 1): same registry logic, no exchange
         assert ck.agree_on_resume_iteration(lockstep, args, None, SingleRank()) == 8
         # nothing in common: both start from scratch
-        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(3, 0, 12)]), SingleRank()) == 0
+        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(2, 12, 12)]), SingleRank()) == 0
         assert ck.read_tracker(d) is None and not ck.iter_dirs(d)
 
         # per-site H: this (fast) cluster saved rounds 1-3 at iterations 6, 12, 18 (and the stop's own checkpoint at
@@ -238,8 +239,9 @@ def test_clusters_agree_on_the_newest_round_complete_everywhere(tmp_path):
         assert ck.agree_on_resume_iteration(per_site, args, OtherCluster([(1, 0, 3), (2, 0, 5)]), SingleRank()) == 14
         assert ck.complete_iterations(d) == [6, 12, 14] and ck.places(d)[14] == (2, 2)  # the agreed round's, kept
         assert superseded(d) == ["iter_0000018.dilocox-superseded-0"]
-        # lockstep, the same offer: round 2 with 2 steps into the next is not the other's round 2 + 0 steps
-        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(1, 0, 3), (2, 0, 5)]), SingleRank()) == 12
+        # lockstep: round 2 at iteration 14 (a stop's checkpoint) is not round 2 at iteration 12
+        assert ck.agree_on_resume_iteration(lockstep, args, OtherCluster([(2, 12, 12)]), SingleRank()) == 12
+        assert superseded(d) == ["iter_0000014.dilocox-superseded-0", "iter_0000018.dilocox-superseded-0"]
 
         # checkpoints that did not record their round: by their iteration
         d = make_ckpt(tmp_path / "old", complete=(4, 8))

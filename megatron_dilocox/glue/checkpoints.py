@@ -24,8 +24,8 @@ What.
   the round: with per-site H a site's iteration is its own count (a fast site's iteration 60 is a later round
   than a slow site's), and any two checkpoints taken in the same round hold the same global state (φ, momentum,
   the round in flight finished), each with its own steps into the next round. In lockstep rounds every site runs
-  the same steps, so the place is the round and the steps into the next one (the iteration, in effect), which
-  keeps the continuation bitwise. Rank 0 rewrites the tracker to its iteration atomically (repairing a truncated
+  the same steps, so the place is the round and the iteration (the same on every site), which keeps the
+  continuation bitwise. Rank 0 rewrites the tracker to its iteration atomically (repairing a truncated
   one), renames every newer ``iter_`` directory aside (``iter_0000012.dilocox-superseded-0``; nothing is
   deleted) and drops it from the registry; a barrier; then Megatron loads exactly that iteration. Nothing common:
   every cluster starts from scratch (the tracker is renamed aside too), with a warning naming what is ignored. A
@@ -177,8 +177,9 @@ PAD = -(1 << 62)  # an empty slot in a cluster's list of candidates
 
 def _candidates(args, per_site_h: bool) -> list[tuple[int, int, int]]:
     """This cluster's complete checkpoints that Megatron may load (newest MAX_CANDIDATES), as (place, iteration):
-    the place is (round, 0) with per-site H, (round, steps into the next) in lockstep rounds, (-1, iteration)
-    for a checkpoint that did not record its round."""
+    the place is (round, 0) with per-site H, (round, iteration) in lockstep rounds (where every site's iteration is
+    the same point of the run: a round dropped under the stop policy leaves the round count where an earlier
+    checkpoint had it), (-1, iteration) for a checkpoint that did not record its round."""
     load = getattr(args, "load", None)
     if not load:
         return []
@@ -189,8 +190,7 @@ def _candidates(args, per_site_h: bool) -> list[tuple[int, int, int]]:
     out = []
     for i in done[-MAX_CANDIDATES:]:
         if i in known:
-            r, offset = known[i]
-            out.append((r, 0 if per_site_h else offset, i))
+            out.append((known[i][0], 0 if per_site_h else i, i))
         else:
             out.append((-1, i, i))
     return out
@@ -243,10 +243,7 @@ def agree_on_resume_iteration(cfg, args, group, intra) -> int:
 
 
 def _place_text(place) -> str:
-    r, offset = place
-    if r < 0:
-        return f"iteration {offset}"
-    return f"round {r}" + (f" + {offset} steps" if offset else "")
+    return f"iteration {place[1]}" if place[0] < 0 else f"round {place[0]}"
 
 
 # ------------------------------------------------------------------------------------------ saving
