@@ -309,6 +309,33 @@ def test_a_crash_with_the_defaults_resumes_every_site_at_the_same_round(corpus, 
           f"{[m.group(0) for m in resumed]}, rounds after {[r['round'] for r in after[0]]}")
 
 
+EXIT_RE = re.compile(r"--exit-duration-in-mins is up: every site saves and exits after round (\d+) \(this site's "
+                     r"iteration (\d+)\)")
+
+
+def test_exit_duration_stops_every_site_after_the_same_round(corpus, tmp_path):
+    """--exit-duration-in-mins 1 on two sites with the defaults (per-site H) and a run far longer than a minute:
+    Megatron's own check would stop each site at its own iteration, at another round than the other (whose next
+    round would then fail). Instead the first site whose time is up says so in its next header, and both save
+    and exit with code 0 after the same round, each at its own iteration; both checkpoints record that round."""
+    ckpt = f"{tmp_path}/ckpt_c{{cluster}}"
+    megatron = tiny_gpt_flags(corpus, 2000, "--save", ckpt, "--save-interval", "100000", "--ckpt-format",
+                              "torch_dist", "--exit-duration-in-mins", "1")
+    dilocox = ["--dilocox-h", "4", "--dilocox-metrics-file", f"{tmp_path}/metrics_c{{cluster}}.jsonl"]
+    codes, logs = run_on_cpu(2, 1, megatron, dilocox, timeout=400)
+    assert codes == [0, 0], failure_report(logs)
+    exits = [EXIT_RE.search("\n".join(log.lines)) for log in logs]
+    assert all(exits), failure_report(logs)
+    assert exits[0].group(1) == exits[1].group(1), [m.group(0) for m in exits]
+    last = int(exits[0].group(1))
+    for c, m in enumerate(exits):
+        assert checkpoints.places(f"{tmp_path}/ckpt_c{c}") == {int(m.group(2)): (last, 0)}, c
+        # round `last` was launched at the boundary: applied there (τ = 0, a transfer under half a step) or in flight,
+        # finished by the save and kept in the checkpoint
+        assert max(r["round"] for r in metrics_rows(tmp_path, c)) in (last - 1, last), c
+    print(f"SITES exit duration: {[m.group(0) for m in exits]}")
+
+
 def test_a_per_site_run_reads_the_validation_samples_a_lockstep_run_reads(corpus, tmp_path):
     """Per-site H (the default) makes room for 4x the iterations, and Megatron sizes (so shuffles) its validation
     set from --train-iters: the validation split's index arrays (which documents, where each sample starts, the

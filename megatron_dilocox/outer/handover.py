@@ -2,7 +2,8 @@
 
 Admission happens in the verdict of round t (net/membership.py), so the members hold: φ and the outer
 momentum as they were *before* round t's Δ is applied, the committed Δ_t itself, the codec's Q after
-round t, the rank and H in use, and the iteration at which round t was launched. The joiner takes all
+round t, the rank and H in use, the iteration at which round t was launched, and the run's clock (outer/clock.py)
+with round t's tokens, which the joiner adds when it applies Δ_t as the members do. The joiner takes all
 of it, starts its error feedback at zero and its θ at φ, and then applies Δ_t exactly when the members
 do (at once without overlap, τ steps into its next round with the delay), so from that boundary on
 every cluster holds bitwise the same φ. Sent by broadcast from the group's first member that was
@@ -24,10 +25,12 @@ from __future__ import annotations
 import torch
 
 from megatron_dilocox.compression.codec import ExchangeResult
+from megatron_dilocox.outer.clock import RunClock
 from megatron_dilocox.outer.nesterov import OuterNesterov
 
 _HEADER = ("round", "iteration", "h", "rank", "has_momentum", "has_deltas", "next_rank", "peer_comm_seconds",
-           "peer_step_seconds", "num_clusters", "tau", "q_rank", "peer_seconds_per_byte")
+           "peer_step_seconds", "num_clusters", "tau", "q_rank", "peer_seconds_per_byte", "round_tokens",
+           "end_requested") + tuple(f"clock.{k}" for k in RunClock.FIELDS)
 HEAD, STATE = (0, 0, "handover-head"), (0, 0, "handover")  # tag contexts (the key is the new epoch's)
 
 
@@ -46,7 +49,8 @@ def send(sync, result: ExchangeResult, iteration: int):
     buf, src = sync.outer.buf, getattr(sync.group, "handover_src", 0)
     values = [result.round, iteration, sync.h, sync.codec.rank, buf is not None, result.deltas is not None,
               result.next_rank, result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters, sync.tau,
-              sync.codec.q[0].shape[-1] if sync.codec.q else 0, result.peer_seconds_per_byte]
+              sync.codec.q[0].shape[-1] if sync.codec.q else 0, result.peer_seconds_per_byte,
+              sum(result.member_tokens), result.end_requested] + sync.clock.as_floats()
     sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=src, context=HEAD)
     parts = list(sync.anchor) + (list(buf) if buf is not None else []) + list(sync.codec.q) + list(result.deltas or [])
     flat = _flat(parts)
@@ -86,8 +90,10 @@ def receive(sync) -> ExchangeResult:
     deltas = [next(pieces).view(s).clone() for s in shapes] if head["has_deltas"] else None
     sync.round, sync.iteration, sync.h = int(head["round"]), int(head["iteration"]), int(head["h"])
     sync.tau = int(head["tau"])  # the joiner lands round t's Δ at the same step τ as the members
+    sync.clock = RunClock.from_floats([head[f"clock.{k}"] for k in RunClock.FIELDS])
     return ExchangeResult(round=sync.round, deltas=deltas, status="applied" if deltas is not None else
                           "refused: (before this cluster rejoined)", num_clusters=int(head["num_clusters"]),
                           rank=rank, next_rank=int(head["next_rank"]), launched_at=sync.iteration,
                           peer_comm_seconds=head["peer_comm_seconds"], peer_step_seconds=head["peer_step_seconds"],
-                          peer_seconds_per_byte=head["peer_seconds_per_byte"])
+                          peer_seconds_per_byte=head["peer_seconds_per_byte"],
+                          member_tokens=[head["round_tokens"]], end_requested=bool(head["end_requested"]))
