@@ -71,6 +71,14 @@ def before_step(opt):
         opt.sync.request_end()
 
 
+def take_marks_passed(opt):
+    """(start, and after a checkpoint is loaded) the marks the run has passed count as taken: a resumed run does
+    not evaluate, save or exit again for the marks before its checkpoint."""
+    from megatron.training import get_args
+    marks = getattr(get_args(), "dilocox_marks", {})
+    opt.marks_done = {kind: opt.sync.clock.marks(n) for kind, n in marks.items()}
+
+
 def after_step(opt):
     """(every rank, after a successful inner step) what the run's clock decides at this step."""
     from megatron.training import get_args
@@ -82,8 +90,7 @@ def after_step(opt):
             n = getattr(args, "dilocox_marks", {}).get(kind, 0)
             if not n:
                 continue
-            due = clock.marks(n)
-            done = opt.marks_done.setdefault(kind, due)  # (a resumed run: the marks passed before its checkpoint)
+            due, done = clock.marks(n), opt.marks_done.get(kind, 0)
             opt.marks_done[kind] = max(done, due)
             setattr(args, attr, opt.sync.iteration if due > done else NEVER)  # Megatron: iteration % interval == 0
     if clock.ending and not opt.sync.stopped:

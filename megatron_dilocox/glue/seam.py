@@ -228,6 +228,7 @@ class DiLoCoXOptimizer:
             self._refresh_model_params()
         args.iteration = self.sync.iteration
         args.consumed_train_samples = self.sync.iteration * args.global_batch_size
+        run_clock.take_marks_passed(self)  # (the members' clock came with the hand-over)
         if scheduler is not None:
             scheduler.num_steps = args.consumed_train_samples
             scheduler.step(0)
@@ -278,6 +279,7 @@ class DiLoCoXOptimizer:
         if hasattr(ours, "data"):  # a ShardedObject that was not resolved
             ours = ours.data
         self.sync.load_state_dict(ours)
+        run_clock.take_marks_passed(self)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
