@@ -317,7 +317,9 @@ def test_exit_duration_stops_every_site_after_the_same_round(corpus, tmp_path):
     """--exit-duration-in-mins 1 on two sites with the defaults (per-site H) and a run far longer than a minute:
     Megatron's own check would stop each site at its own iteration, at another round than the other (whose next
     round would then fail). Instead the first site whose time is up says so in its next header, and both save
-    and exit with code 0 after the same round, each at its own iteration; both checkpoints record that round."""
+    and exit with code 0 after the same round, each at its own iteration; both checkpoints record that round.
+    The next job resumes both at that round (the old job's request to end is not carried over) and stops them
+    again after one same, later round."""
     ckpt = f"{tmp_path}/ckpt_c{{cluster}}"
     megatron = tiny_gpt_flags(corpus, 2000, "--save", ckpt, "--save-interval", "100000", "--ckpt-format",
                               "torch_dist", "--exit-duration-in-mins", "1")
@@ -333,7 +335,15 @@ def test_exit_duration_stops_every_site_after_the_same_round(corpus, tmp_path):
         # round `last` was launched at the boundary: applied there (τ = 0, a transfer under half a step) or in flight,
         # finished by the save and kept in the checkpoint
         assert max(r["round"] for r in metrics_rows(tmp_path, c)) in (last - 1, last), c
-    print(f"SITES exit duration: {[m.group(0) for m in exits]}")
+    # the next job (a SLURM job's time limit, say) resumes both at that round and stops again after the same round
+    codes, logs = run_on_cpu(2, 1, megatron + ["--load", ckpt], dilocox, timeout=400)
+    assert codes == [0, 0], failure_report(logs)
+    for log in logs:
+        assert any(f"every cluster resumes at round {last};" in line for line in log.lines), failure_report([log])
+    again = [EXIT_RE.search("\n".join(log.lines)) for log in logs]
+    assert all(again) and again[0].group(1) == again[1].group(1) and int(again[0].group(1)) > last, \
+        failure_report(logs)
+    print(f"SITES exit duration: {[m.group(0) for m in exits]}, then {[m.group(0) for m in again]}")
 
 
 def test_a_per_site_run_reads_the_validation_samples_a_lockstep_run_reads(corpus, tmp_path):

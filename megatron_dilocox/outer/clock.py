@@ -123,6 +123,8 @@ class RunClock:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict):
-        """From a checkpoint (one written before the clock was one object names some fields otherwise)."""
+        """From a checkpoint (one written before the clock was one object names some fields otherwise). A request
+        to end belonged to the job that saved it (its --exit-duration-in-mins): the resumed job goes on."""
         for k, v in state.items():
             setattr(self, _OLD_NAMES.get(k, k), v)
+        self.end_requested = self.ending = False
