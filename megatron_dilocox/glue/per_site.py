@@ -48,7 +48,7 @@ def resolve(cfg, args) -> tuple[bool, str]:
 
 def plan(args):
     """Per-site H, before Megatron builds the scheduler and the datasets: --train-iters is this site's
-    plan (its tokens count towards the run's total, outer/budget.py), the LR schedule keeps that length
+    plan (its tokens count towards the run's total, outer/clock.py), the LR schedule keeps that length
     (--lr-decay-iters), and the data and the loop get room for up to MAX_SPEED_RATIO x as many iterations: a fast
     site runs more steps per round and the run ends when the sites' tokens reach the total."""
     if getattr(args, "rampup_batch_size", None):

@@ -57,15 +57,21 @@ def install(args, num_clusters: int):
 
 
 def before_step(opt):
-    """(every rank, before the inner step) --exit-duration-in-mins: whether this site's time is up, agreed over
-    the site's ranks as Megatron agrees it (the maximum), so every rank's next header says the same."""
+    """(every rank, before the inner step, which may be skipped) per-site H: no mark is due unless the step's
+    after_step says so; --exit-duration-in-mins: whether this site's time is up, agreed over the site's ranks as
+    Megatron agrees it (the maximum), so every rank's next header says the same."""
     from megatron.training import get_args
     import megatron.training.training as training
-    minutes = getattr(get_args(), "dilocox_exit_minutes", None)
+    args = get_args()
+    for kind, attr in MARKS:
+        if kind in getattr(args, "dilocox_marks", {}):
+            setattr(args, attr, NEVER)
+    minutes = getattr(args, "dilocox_exit_minutes", None)
     start = getattr(training, "_TRAIN_START_TIME", None)
     if not minutes or start is None:
         return
-    up = torch.tensor([float((time.time() - start) / 60.0 > minutes)], dtype=torch.float64)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    up = torch.tensor([float((time.time() - start) / 60.0 > minutes)], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(up, op=torch.distributed.ReduceOp.MAX)
     if up.item():
         opt.sync.request_end()
@@ -87,17 +93,17 @@ def after_step(opt):
     if opt.cfg.per_site_h:
         _follow_the_run(opt, args)
         for kind, attr in MARKS:
-            n = getattr(args, "dilocox_marks", {}).get(kind, 0)
-            if not n:
-                continue
-            due, done = clock.marks(n), opt.marks_done.get(kind, 0)
+            if kind not in getattr(args, "dilocox_marks", {}):
+                continue  # (an interval longer than the plan: n = 0, never due, and before_step keeps it NEVER)
+            due, done = clock.marks(args.dilocox_marks[kind]), opt.marks_done.get(kind, 0)
             opt.marks_done[kind] = max(done, due)
-            setattr(args, attr, opt.sync.iteration if due > done else NEVER)  # Megatron: iteration % interval == 0
+            if due > done:  # Megatron: iteration % interval == 0 (1: this iteration, whatever its count)
+                setattr(args, attr, 1)
     if clock.ending and not opt.sync.stopped:
-        if args.exit_interval != opt.sync.iteration:
+        if args.exit_interval != 1:
             log.warning("DiLoCoX: a site's --exit-duration-in-mins is up: every site saves and exits after round %d "
                         "(this site's iteration %d)", clock.round, opt.sync.iteration)
-        args.exit_interval = opt.sync.iteration
+        args.exit_interval = 1  # Megatron saves and exits this iteration
 
 
 def _follow_the_run(opt, args):

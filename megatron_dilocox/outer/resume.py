@@ -83,6 +83,8 @@ def load(sync, state: dict):
                         if sync.delayed else sync.anchor)
     sync.codec.load_state_dict(state["codec"])
     sync._done = None if state["pending"] is None else ExchangeResult(**state["pending"])
+    if sync._done is not None:  # (a request to end belonged to the job that saved it: clock.py)
+        sync._done.end_requested = False
     sync.correction = None
     if state.get("correction") is not None:
         sync.correction = LocalCorrection([a.shape for a in sync.anchor], cfg, device)

@@ -185,6 +185,7 @@ class DiLoCoXSync:
         else:
             self._apply(result, exposed=0.0)
             self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])
+            self.clock.at_boundary(self.round, in_flight=False)  # (as the members' at this boundary)
         self._last_hook = time.perf_counter()
         log.warning("DiLoCoX cluster %d rejoined at round %d, iteration %d (H=%d, rank %d)", self.cfg.cluster_id,
                     self.round, self.iteration, self.h, self.codec.rank)
@@ -222,9 +223,10 @@ class DiLoCoXSync:
         self.steps_in_round = 0
         tokens, self.round_tokens = self.round_tokens, 0.0
         steps, self.round_steps = self.round_steps, 0
+        end = self.end_request  # (fixed here, on the main thread: every rank of the cluster sends the same)
         if not self.delayed:
             t0 = time.perf_counter()
-            result = self._exchange(delta, self.round, self.iteration, tokens, steps)
+            result = self._exchange(delta, self.round, self.iteration, tokens, steps, end)
             self._apply(result, exposed=time.perf_counter() - t0)
             if self.stopped:
                 self.round -= 1  # dropped: θ keeps δ_t, the next δ (measured from φ) carries it
@@ -243,7 +245,8 @@ class DiLoCoXSync:
                     self.round -= 2
                     return
             self._launched_delta, self._launched_tokens, self._launched_steps = delta, tokens, steps
-            self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration, tokens, steps)
+            self._in_flight = self._executor.submit(self._exchange, delta, self.round, self.iteration, tokens, steps,
+                                                    end)
             self._set_params(self._local_start(delta))
             self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
             self.clock.at_boundary(self.round, in_flight=True)
@@ -322,7 +325,8 @@ class DiLoCoXSync:
             self.group.close()
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _exchange(self, delta, round_idx, iteration, tokens: float = 1.0, steps: int = 1) -> ExchangeResult:
+    def _exchange(self, delta, round_idx, iteration, tokens: float = 1.0, steps: int = 1,
+                  end_request: bool = False) -> ExchangeResult:
         """One round's exchange, committed only when every member agrees (net/membership.py); a failed
         attempt leaves the codec as it was and, per the verdict, is retried by the survivors or dropped.
         (Runs in the exchange thread: φ and the momentum are not written until the main thread applies it.)"""
@@ -340,7 +344,7 @@ class DiLoCoXSync:
                                                       self.step_seconds, self.link.seconds_per_byte,
                                                       link_steps=first_link_steps, tokens=max(tokens, 1e-30),
                                                       steps=max(steps, 1), state_hash=state_hash,
-                                                      end_request=self.end_request), "ok"
+                                                      end_request=end_request), "ok"
                 if len(set(result.state_hashes)) > 1:
                     repair.fetch(self, result, state_hash)
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
