@@ -297,10 +297,6 @@ class CanonicalSite:
         """The run's clock: rank 0's, and on the other ranks its copy as of the last step that changed θ."""
         return self.sync.clock if self.sync is not None else self._clock
 
-    @property
-    def run_complete(self) -> bool:
-        return self.clock.complete
-
     def progress(self) -> Optional[float]:
         if self.sync is not None:
             return self.sync.progress()

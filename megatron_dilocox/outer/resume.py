@@ -30,7 +30,7 @@ def save(sync) -> dict:
         "config": sync.cfg.agreement_dict(),
         "round": sync.round, "steps_in_round": sync.steps_in_round, "iteration": sync.iteration,
         "round_tokens": sync.round_tokens, "launched_tokens": sync._launched_tokens,
-        "round_steps": sync.round_steps, "launched_steps": sync._launched_steps, "token_budget": sync.token_budget,
+        "round_steps": sync.round_steps, "launched_steps": sync._launched_steps,
         "clock": sync.clock.state_dict(),
         "h": sync.h, "tau": sync.tau, "comm_seconds_prev": sync.comm_seconds_prev, "step_seconds": sync.step_seconds,
         "seconds_per_byte_prev": sync.link.seconds_per_byte,
