@@ -171,9 +171,13 @@ class DiLoCoXConfig:
                                     "on every message between clusters; a message that does not verify is refused, "
                                     "naming its sender and round, and the sender is lost for that round "
                                     "(docs/security.md#authenticated-payloads)")
-    token_weights: bool = knob(True, "weigh each cluster's pseudo-gradient in the average by the tokens it trained "
-                                     "on in the round (its steps x its tokens per step, carried in the round's "
-                                     "header); --dilocox-no-token-weights: equal weights (docs/algorithm.md#weights)")
+    token_weights: bool = knob(True, "weigh each cluster's pseudo-gradient in the average by its tokens per inner "
+                                     "step (its round's tokens / its steps, both in the round's header: one token, "
+                                     "one vote, since the pseudo-gradient already grows with the steps); "
+                                     "--dilocox-no-token-weights: equal weights (docs/algorithm.md#weights)")
+    token_weight_unit: str = knob("step", "what a cluster's token weight counts: step (its tokens per inner step) or "
+                                          "round (its tokens in the round, the rule before the run's clock: a fast "
+                                          "site's steps count twice; kept to measure against, docs/algorithm.md#weights)")
 
     exchange_layout: str = knob("local", "local: local rank k of every site exchanges its own parameter slices (every "
                                           "site needs the same TP/PP/DP layout); canonical: sites may differ in "
@@ -370,6 +374,8 @@ class DiLoCoXConfig:
                 fail("per_site_h", "needs --dilocox-fragments 1")
             if self.on_peer_failure == "continue":
                 fail("per_site_h", "needs --dilocox-on-peer-failure stop (the run's token total counts every site)")
+        if self.token_weight_unit not in ("step", "round"):
+            fail("token_weight_unit", f"must be step or round, got {self.token_weight_unit!r}")
         if self.exchange_scheme not in EXCHANGE_SCHEMES:
             fail("exchange_scheme", f"must be one of {', '.join(EXCHANGE_SCHEMES)}, got {self.exchange_scheme!r}")
         if self.exchange_layout not in EXCHANGE_LAYOUTS:

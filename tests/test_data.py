@@ -300,3 +300,21 @@ def test_missing_pydoc_says_what_to_install(monkeypatch, tmp_path):
     assert "apt-get install -y --no-install-recommends python3.11-doc" in str(e.value)
     with pytest.raises(ValueError, match="corpus must be one of"):
         prep.prepare(str(tmp_path / "out"), corpus="wiki")
+
+
+def test_split_by_source_gives_each_cluster_one_corpus():
+    """Sites whose data differ (--corpus kjv+pydoc): cluster k's shard holds corpus k % 2's training documents
+    only, strided over the clusters that share it; each corpus keeps its own every-20th validation split, and
+    the joint splits are their unions."""
+    sources = ["kjv"] * 45 + ["pydoc"] * 23
+    s = prep.split_by_source(sources, 4)
+    kjv, doc = list(range(45)), list(range(45, 68))
+    assert s["valid_kjv"] == [19, 39] and s["valid_pydoc"] == [45 + 19]
+    assert s["valid"] == s["valid_kjv"] + s["valid_pydoc"]
+    train_kjv = [i for i in kjv if i not in (19, 39)]
+    train_doc = [i for i in doc if i != 64]
+    assert s["train_all"] == train_kjv + train_doc
+    assert (s["train_c0"], s["train_c2"]) == (train_kjv[0::2], train_kjv[1::2])
+    assert (s["train_c1"], s["train_c3"]) == (train_doc[0::2], train_doc[1::2])
+    with pytest.raises(ValueError, match="2 corpora need at least 2 clusters"):
+        prep.split_by_source(sources, 1)

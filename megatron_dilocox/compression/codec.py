@@ -291,7 +291,8 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
         result.peer_step_seconds = max(float(h[6]) for h in headers)
         result.peer_seconds_per_byte = max(float(h[7]) for h in headers)
         result.tokens, result.steps, result.member_tokens = float(tokens), int(steps), [float(h[8]) for h in headers]
-        result.weights = [float(h[8]) / max(float(h[10]), 1.0) for h in headers]  # one token, one vote
+        per_step = self.cfg.token_weight_unit == "step"  # one token, one vote (docs/algorithm.md#weights)
+        result.weights = [float(h[8]) / (max(float(h[10]), 1.0) if per_step else 1.0) for h in headers]
         result.end_requested = any(h[11] != 0 for h in headers)
         result.member_index, result.member_step_seconds = coll.rank, [float(h[6]) for h in headers]
         result.state_hashes = [int(h[9]) for h in headers]

@@ -4,6 +4,9 @@
   pydoc  Python 3.11 documentation (PSF licence), `python3.11-doc`: the reST sources under
          html/_sources/, one document per page in sorted path order; pages longer than MAX_DOC_CHARS
          are cut at paragraph boundaries into near-equal documents of at most MAX_DOC_CHARS.
+  kjv+pydoc  both, for sites whose data differ: one tokenizer over both, cluster c's shard from one
+         corpus (the KJV for even c, the docs for odd c), each corpus's own validation split beside the
+         joint one (prepare.split_by_source).
 Both are cleaned so that every document is one line with single spaces (no leading/trailing space),
 which is what sentencepiece's whitespace handling gives back from decode(encode(text)).
 """
@@ -156,4 +159,13 @@ CORPORA = {
               "source": "Python 3.11 documentation reST sources (Debian python3.11-doc, PSF licence), one "
                         f"document per page, pages over {MAX_DOC_CHARS} characters split at paragraphs",
               "extract": lambda: extract_pydoc(ensure_pydoc())},
+}
+# Sites whose data differ (docs/algorithm.md#weights measures the vote on it): every document keeps its corpus
+# in "source"; the joint tokenizer needs the docs' options (the KJV is ASCII, so they change nothing for it).
+CORPORA["kjv+pydoc"] = {
+    "file": "kjv+pydoc.jsonl", "unit": "documents", "count": None, "trainer": CORPORA["pydoc"]["trainer"],
+    "sources": ("kjv", "pydoc"),
+    "source": "the King James Bible and the Python 3.11 documentation, as kjv and pydoc; cluster c trains on "
+              "one of them (the KJV for even c, the docs for odd c)",
+    "extract": lambda: [dict(d, source=name) for name in ("kjv", "pydoc") for d in CORPORA[name]["extract"]()],
 }

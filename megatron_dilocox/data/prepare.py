@@ -7,6 +7,10 @@ Why these corpora: these machines reach only package registries, so Hub data set
                           Python Software Foundation License Version 2, which permits copying, modifying
                           and redistributing), Debian `python3.11-doc`: the reST sources of its 497 pages
                           (html/_sources/, 11 MB): modern technical English with code, ~2.6M tokens.
+  --corpus kjv+pydoc      both, for sites whose data differ: one tokenizer over both corpora's training
+                          documents; cluster k's shard from one corpus only (the KJV for even k, the docs
+                          for odd k); valid_kjv_text_document and valid_pydoc_text_document beside the
+                          joint valid_text_document (split_by_source).
 Each is installed with apt-get when missing (when root); otherwise CorpusUnavailableError names the
 packages to install. The extraction of each lives in corpora.py. A DIR holds one corpus: manifest.json
 records which, and asking a DIR built for one corpus for the other raises CorpusMismatchError.
@@ -80,6 +84,28 @@ def split_chapters(n_docs: int, num_clusters: int, valid_every: int = VALID_EVER
     splits = {"valid": valid, "train_all": train}
     for k in range(num_clusters):
         splits[f"train_c{k}"] = train[k::num_clusters]
+    return splits
+
+
+def split_by_source(sources: list, num_clusters: int, valid_every: int = VALID_EVERY) -> dict:
+    """Sites whose data differ: each corpus split as split_chapters splits one (its every valid_every-th
+    document to validation), cluster k's shard from corpus k % n alone (strided over the clusters that share
+    it); "valid" is every corpus's validation together, "valid_<name>" each one's."""
+    names = list(dict.fromkeys(sources))
+    if num_clusters < len(names):
+        raise ValueError(f"{len(names)} corpora need at least {len(names)} clusters, got {num_clusters}")
+    splits = {"valid": [], "train_all": []}
+    train = {}
+    for name in names:
+        idx = [i for i, s in enumerate(sources) if s == name]
+        part = split_chapters(len(idx), 1, valid_every)
+        splits[f"valid_{name}"] = [idx[i] for i in part["valid"]]
+        train[name] = [idx[i] for i in part["train_all"]]
+        splits["valid"] += splits[f"valid_{name}"]
+        splits["train_all"] += train[name]
+    for k in range(num_clusters):
+        share = list(range(k % len(names), num_clusters, len(names)))
+        splits[f"train_c{k}"] = train[names[k % len(names)]][share.index(k)::len(share)]
     return splits
 
 
@@ -214,8 +240,10 @@ def prepare(out_dir: str, num_clusters: int = 2, vocab_size: int = 4096, corpus:
     text_sha = _sha256(text_path)
     texts = [d["text"] for d in docs]
 
-    # c. splits (pure function of the chapter count and C)
-    splits = split_chapters(len(docs), num_clusters)
+    # c. splits (pure function of the chapter count and C; of each document's corpus where there are two)
+    by_source = "sources" in spec
+    splits = (split_by_source([d["source"] for d in docs], num_clusters) if by_source
+              else split_chapters(len(docs), num_clusters))
 
     # d. tokenizer on the training chapters only
     tok_path = os.path.join(out, "tokenizer.model")
@@ -264,7 +292,7 @@ def prepare(out_dir: str, num_clusters: int = 2, vocab_size: int = 4096, corpus:
     manifest = {
         "version": MANIFEST_VERSION, "corpus": corpus, "source": spec["source"],
         "documents": len(docs), "text_sha256": text_sha, "num_clusters": num_clusters,
-        "shard_mode": "strided", "valid_every": VALID_EVERY, "vocab_size": sp.get_piece_size(),
+        "shard_mode": "by_source" if by_source else "strided", "valid_every": VALID_EVERY, "vocab_size": sp.get_piece_size(),
         "eod_id": eod, "tokenizer_model": "tokenizer.model", "tokenizer_sha256": tok_sha,
         "dtype": np.dtype(dtype).name, "tokens_include_eod": True, "splits": entries,
     }
@@ -291,7 +319,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-clusters", type=int, default=2, help="number of per-cluster training shards")
     p.add_argument("--vocab-size", type=int, default=4096, help="sentencepiece BPE vocabulary size")
     p.add_argument("--corpus", choices=sorted(CORPORA), default="kjv",
-                   help="kjv: King James Bible (bible-kjv); pydoc: Python 3.11 docs (python3.11-doc)")
+                   help="kjv: King James Bible (bible-kjv); pydoc: Python 3.11 docs (python3.11-doc); "
+                        "kjv+pydoc: both, cluster shards by corpus (sites whose data differ)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     log.setLevel(logging.INFO)

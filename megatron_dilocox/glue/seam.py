@@ -67,9 +67,11 @@ def fingerprint(cfg: DiLoCoXConfig, args, views, canonical=None) -> dict:
             "optimizer")
     fp = {k: str(getattr(args, k, None)) for k in keys if canonical is None or k not in PARALLEL_LAYOUT_ARGS}
     # outer_lr_warmup_iters: the default follows each cluster's run length, and the outer step, which every
-    # cluster takes itself, must not differ
+    # cluster takes itself, must not differ. megatron-core's version without its local part: it appends the
+    # short hash of whatever git checkout holds the installed package (a venv inside a repository gets that
+    # repository's HEAD), which says nothing about Megatron's code.
     fp.update(dilocox=cfg.agreement_dict(), outer_lr_warmup_iters=cfg.resolved_outer_lr_warmup_iters(run_iters(args)),
-              megatron_core=megatron.core.__version__, megatron_dilocox=megatron_dilocox.__version__)
+              megatron_core=megatron.core.__version__.split("+")[0], megatron_dilocox=megatron_dilocox.__version__)
     if canonical is None:
         fp["shapes"] = [list(v.shape) for v in views]
     else:

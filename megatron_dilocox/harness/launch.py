@@ -46,6 +46,7 @@ class ClusterLog:
     global_batch: int = 0
     valid_losses: list = field(default_factory=list)
     valid_at: list = field(default_factory=list)  # (iteration, final?) of each valid_losses entry
+    test_losses: list = field(default_factory=list)  # "... on test set" (Megatron's test split, --test-data-path)
     ended: bool = False  # the output stream closed (the cluster's torchrun exited)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
 
@@ -63,7 +64,9 @@ class ClusterLog:
                 if g:
                     self.grad_norms[it] = float(g.group(1))
             m = VALID_RE.search(line)
-            if m:
+            if m and " on test set " in line:
+                self.test_losses.append(float(m.group(3)))
+            elif m:
                 self.valid_losses.append(float(m.group(3)))
                 self.valid_at.append((int(m.group(1)) if m.group(1) else None, bool(m.group(2))))
             self._cond.notify_all()

@@ -23,6 +23,12 @@ shared; the idle-host figures are printed beside); per_site's final loss within 
     .venv/bin/python scripts/bench/sites_benchmark.py [--iters 1000] [--corpora kjv,pydoc] [--quota 0.5]
         [--alone-iters 100] [--quick] [--out benchmarks/results/sites_speed]
 
+--skew: sites whose data differ (the kjv+pydoc corpus: site 0 trains on the KJV, site 1 on the Python docs), the
+global model evaluated at the end on each corpus's validation split (Megatron's validation set: the KJV's; its
+test set: the docs'), three runs: ``equal`` (both unthrottled), ``round`` (site 1 at the quota, each site weighted
+by its round's tokens: the rule before the run's clock, --dilocox-token-weight-unit round), ``step`` (site 1 at
+the quota, the default: weighted by tokens per step). Writes to --out (default benchmarks/results/sites_skew).
+
 Writes results.json (every run: iterations per site, H per round, tokens/s, wait share, validation loss, wall)
 and prints a table with the ratios.
 """
@@ -69,7 +75,7 @@ def run_alone(data, iters, prefix, out):
 
 
 def run_isolated(data, iters, prefix):
-    codes, logs = run(2, 1, gpt_flags(data, iters, 1, 1) + EVAL, None, prefix_by_cluster={1: prefix}, echo=False,
+    codes, logs = run(2, 1, gpt_flags(data, iters, 1, 1) + EVAL + list(megatron), None, prefix_by_cluster={1: prefix}, echo=False,
                       timeout=3600)
     if codes != [0, 0]:
         raise SystemExit(f"isolated runs failed: {[log.lines[-30:] for log in logs]}")
@@ -77,11 +83,11 @@ def run_isolated(data, iters, prefix):
     return {"tokens_per_s_sites": speeds, "tokens_per_s": sum(speeds)}
 
 
-def run_pair(name, data, iters, dilocox, prefix, out):
+def run_pair(name, data, iters, dilocox, prefix, out, megatron=()):
     metrics = os.path.join(out, name)
     os.makedirs(metrics, exist_ok=True)
     t0 = time.time()
-    codes, logs = run(2, 1, gpt_flags(data, iters, 1, 1) + EVAL,
+    codes, logs = run(2, 1, gpt_flags(data, iters, 1, 1) + EVAL + list(megatron),
                       ["--dilocox-h", "10", "--dilocox-metrics-file", f"{metrics}/metrics_c{{cluster}}.jsonl"] + dilocox,
                       prefix_by_cluster={1: prefix} if prefix else None, echo=False, timeout=7200)
     wall = time.time() - t0
@@ -98,7 +104,37 @@ def run_pair(name, data, iters, dilocox, prefix, out):
         "tokens": sum(r["tokens"] for rs in rows for r in rs),
         "hashes_agree": [r["global_model_hash"] for r in rows[0]] == [r["global_model_hash"] for r in rows[1]],
         "validation_loss": [final_validation(log) for log in logs],
+        "test_loss": [log.test_losses[-1] if log.test_losses else None for log in logs],
+        "weight_c0": [r["weight"] for r in rows[0]],
     }
+
+
+def skew(a):
+    """Sites whose data differ, one at the quota: per-corpus validation of the global model, old vote and new."""
+    from megatron_dilocox.data.prepare import prepare
+    data = os.path.join(REPO, "data", "kjv+pydoc")
+    prepare(data, num_clusters=2, corpus="kjv+pydoc")
+    per_corpus = ["--valid-data-path", f"{data}/valid_kjv_text_document",
+                  "--test-data-path", f"{data}/valid_pydoc_text_document"]
+    results = {"provenance": provenance(), "iters": a.iters, "quota_cores": a.quota, "runs": {}}
+    r = results["runs"]
+    with throttle.cpu_quota(f"dilocox_bench_{os.getpid()}", a.quota) as slow:
+        r["equal"] = run_pair("equal", data, a.iters, [], None, a.out, per_corpus)
+        r["round"] = run_pair("round", data, a.iters, ["--dilocox-token-weight-unit", "round"], slow, a.out,
+                              per_corpus)
+        r["step"] = run_pair("step", data, a.iters, [], slow, a.out, per_corpus)
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\n# kjv+pydoc: site 0 the KJV, site 1 the Python docs; {a.iters} iterations planned per site; "
+          f"round/step: site 1 at {a.quota} cores")
+    print(f"{'run':<8}{'iterations':>14}{'mean H c0, c1':>16}{'weight c0':>11}{'KJV valid':>11}{'docs valid':>12}"
+          f"{'mean':>9}{'agree':>7}")
+    for name, x in r.items():
+        hs = [statistics.mean(h) for h in x["H"]]
+        kjv, doc = x["validation_loss"][0], x["test_loss"][0]
+        print(f"{name:<8}{str(x['iterations']):>14}{hs[0]:>8.1f},{hs[1]:>6.1f}{statistics.mean(x['weight_c0']):>11.3f}"
+              f"{kjv:>11.4f}{doc:>12.4f}{(kjv + doc) / 2:>9.4f}{str(x['hashes_agree']):>7}", flush=True)
+    return 0
 
 
 def main(argv=None):
@@ -108,14 +144,18 @@ def main(argv=None):
     ap.add_argument("--corpora", default="kjv,pydoc")
     ap.add_argument("--quota", type=float, default=0.5, help="the slow site's CPU quota, in cores")
     ap.add_argument("--quick", action="store_true", help="60 iterations, KJV only, 40 alone (a smoke run)")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "sites_speed"))
+    ap.add_argument("--skew", action="store_true", help="sites whose data differ: the vote, old rule and new")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/sites_speed (--skew: sites_skew)")
     a = ap.parse_args(argv)
+    a.out = a.out or os.path.join(REPO, "benchmarks", "results", "sites_skew" if a.skew else "sites_speed")
     if a.quick:
         a.iters, a.alone_iters, a.corpora = 60, 40, "kjv"
     reason = throttle.unavailable()
     if reason:
         raise SystemExit(f"sites_benchmark: needs a cgroup CPU quota: {reason}")
     os.makedirs(a.out, exist_ok=True)
+    if a.skew:
+        return skew(a)
     from megatron_dilocox.data.prepare import prepare
     results = {"provenance": provenance(), "iters": a.iters, "quota_cores": a.quota, "corpora": {}}
     for corpus in a.corpora.split(","):
