@@ -82,11 +82,11 @@ class DiLoCoXConfig:
     adaptive_h_margin: float = knob(0.1, "adaptive H keeps the transfer this fraction shorter than a round")
     per_site_h: Optional[bool] = knob(None, "sites of different speeds: the slowest site runs H steps per round "
                                             "and every other site as many as fit in the same wall time (its own "
-                                            "measured step time, up to 4x H), weighted by its tokens; the run ends "
-                                            "when the sites' tokens together reach their planned total, and "
-                                            "Megatron's LR schedule and evaluations follow that total. auto "
-                                            "(unset): on in Megatron wherever the run allows it (adaptive H, one "
-                                            "fragment, on-peer-failure stop, no --rampup-batch-size), else "
+                                            "measured step time, up to 4x H), weighted by its tokens per step; the "
+                                            "run ends when the sites' tokens together reach the planned total of "
+                                            "the sites training it, and Megatron's LR schedule, evaluations, saves "
+                                            "and exits follow that total. auto (unset): on in Megatron wherever the "
+                                            "run allows it (adaptive H, no --rampup-batch-size), else "
                                             "lockstep, said in the log; off in the plain-PyTorch API "
                                             "(docs/algorithm.md#sites-of-different-speeds). "
                                             "--dilocox-no-per-site-h: lockstep rounds, every site H steps")
@@ -370,10 +370,6 @@ class DiLoCoXConfig:
         if self.per_site_h:
             if not self.adaptive_h:
                 fail("per_site_h", "needs --dilocox-adaptive-h (per-site H follows the measured step times)")
-            if self.fragments > 1:
-                fail("per_site_h", "needs --dilocox-fragments 1")
-            if self.on_peer_failure == "continue":
-                fail("per_site_h", "needs --dilocox-on-peer-failure stop (the run's token total counts every site)")
         if self.token_weight_unit not in ("step", "round"):
             fail("token_weight_unit", f"must be step or round, got {self.token_weight_unit!r}")
         if self.exchange_scheme not in EXCHANGE_SCHEMES:

@@ -96,6 +96,33 @@ def test_a_restarted_cluster_rejoins_with_the_global_state_and_all_agree_again(o
           f"{counts.count(1)} rounds alone, then hashes equal for rounds {min(mine)}..{max(mine)}")
 
 
+def test_per_site_h_under_continue_a_lost_site_takes_its_plan_out_and_its_restart_brings_it_back():
+    """Per-site H (the default in Megatron) under --dilocox-on-peer-failure continue: cluster 1 (steps twice as
+    slow) is killed before its step 6 and restarted 4 s later. While cluster 0 trains alone the run's total is its
+    own plan (60 steps' tokens); once cluster 1 is back, both plans (120): every round's header carries each
+    member's plan (outer/clock.py). The rejoined site holds bitwise the same global model every round; both end
+    at the same round, at the planned total of the sites that finished the run."""
+    steps = 60
+    res = train_clusters(3, may_die=(1,), steps=steps, step_sleep=0.05, step_sleep_by_cluster={"1": 0.05},
+                         die={"slot": 1, "step": 6}, as_cluster={"2": 1}, start_delay={"2": 4.0},
+                         dilocox=spec(2, on_peer_failure="continue", timeout_seconds=2 * TIMEOUT, adaptive_h=True,
+                                      per_site_h=True, overlap="one-step-delay"))
+    a, j = res[(0, 0)], res[(2, 0)]
+    assert a["error"] is None and j["error"] is None, (a["error"], j["error"])
+    assert j["joined_midrun"] and j["cluster"] == 1
+    alone = [total for members, total in a["planned"] if members == 1]
+    both = [total for members, total in a["planned"] if members == 2]
+    assert alone and set(alone) == {steps}, a["planned"]
+    assert both[-1] == 2 * steps and set(total for _, total in j["planned"][1:]) == {2 * steps}, j["planned"]
+    mine = {r["round"]: r["global_model_hash"] for r in j["rows"]}
+    theirs = {r["round"]: r["global_model_hash"] for r in a["rows"]}
+    assert mine and all(theirs[k] == v for k, v in mine.items()), (mine, theirs)
+    assert max(mine) == max(theirs) and a["final_hash"] == j["final_hash"]
+    assert a["clock"] == j["clock"] and a["clock"]["complete"]
+    last = a["rows"][-1]["tokens"] + j["rows"][-1]["tokens"]
+    assert 2 * steps - last <= a["clock"]["tokens_applied"] <= 2 * steps + last, (a["clock"], last)
+
+
 def test_a_one_sided_transport_error_does_not_leave_the_peer_waiting_for_the_gloo_timeout():
     """Cluster 1's 6th all-gather fails before it starts (cluster 0 is already inside it, waiting on cluster 1):
     cluster 1 closes its group as it votes, so cluster 0's collective fails at once, not at the gloo timeout

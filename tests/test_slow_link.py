@@ -206,3 +206,38 @@ def test_two_clusters_on_a_slow_link_switch_at_the_same_boundary_and_agree_bitwi
                [(r["fragment"], r["round"], r["launched_at"], r["iteration"]) for r in res[(1, lr)]["rows"]]
         assert res[(0, lr)]["final_hash"] == res[(1, lr)]["final_hash"]
         assert all(torch.equal(x, y) for x, y in zip(res[(0, lr)]["final_params"], res[(1, lr)]["final_params"]))
+
+
+@pytest.mark.core
+def test_per_site_h_on_a_slow_link_switches_every_site_together_and_ends_at_the_token_total(tmp_path):
+    """Per-site H (the default) composes with the slow-link switch: site 1's steps take twice site 0's (50 ms,
+    25 ms), every all-gather is delayed 0.3 s, adaptive H and τ, int4 whole, 2 slow-link fragments. The plan is
+    made in the slowest site's steps (``sync.shared``, the same on both), so both sites switch at the same round
+    of fragment 0 although their own H and τ differ; after the switch the fast site runs about twice the slow
+    one's steps per round of each fragment; every row carries the same global-model hash on both; the run ends
+    at the same round on both once fragment 0's tokens together reach the planned total (2 x 48 steps)."""
+    C, steps = 2, 48
+    res = train_clusters(C, steps=steps, step_sleep_by_cluster={"0": 0.025, "1": 0.05}, slow_gather=0.3,
+                         metrics_dir=str(tmp_path), timeout=300,
+                         dilocox=dilocox_spec(C, h=8, overlap_steps=0, lowrank=False, quant_bits=4,
+                                              quant_block_size=32, adaptive_h=True, per_site_h=True,
+                                              slow_link_fragments=2))
+    assert_no_errors(res)
+    # (rows in landing order, which differs between sites whose fragments land at their own steps)
+    rows = [sorted(read_rows(tmp_path / f"metrics_c{c}.jsonl"), key=lambda r: (r["round"], r["fragment"]))
+            for c in range(C)]
+    assert [(r["fragment"], r["round"]) for r in rows[0]] == [(r["fragment"], r["round"]) for r in rows[1]]
+    assert [r["global_model_hash"] for r in rows[0]] == [r["global_model_hash"] for r in rows[1]]
+    assert all(r["status"] == "applied" for rs in rows for r in rs)
+    switched = [i for i, r in enumerate(rows[0]) if r["fragment"] == 1]
+    assert switched, [(r["fragment"], r["round"], r["H"], r["launched_at"]) for r in rows[0]]
+    after = [(f["H"], s["H"]) for f, s in list(zip(rows[0], rows[1]))[switched[0]:-2]]  # (the end: partial rounds)
+    assert after and all(f >= 1.5 * s for f, s in after), after
+    # every step's tokens once per fragment: fragment 0's rounds (the clock) reach the total within its last
+    # round; fragment 1's, from the switch on, hold the same steps as fragment 0's from there (the end sends
+    # each fragment's partial round)
+    tokens = lambda frag, since=0: sum(r["tokens"] for rs in rows for r in rs  # noqa: E731
+                                       if r["fragment"] == frag and r["round"] >= since)
+    last = sum(rs[-2]["tokens"] for rs in rows)
+    assert 2 * steps <= tokens(0) <= 2 * steps + last, (tokens(0), last)
+    assert tokens(1) == tokens(0, since=rows[0][switched[0]]["round"])

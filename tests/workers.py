@@ -7,6 +7,7 @@ data. Every process returns plain tensors/dicts for the parent test to check.
 """
 from __future__ import annotations
 
+import dataclasses
 import copy
 import logging
 import os
@@ -217,7 +218,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     inner = make_inner(model, spec.get("inner", "adam"), spec.get("inner_lr", 0.01))
     metrics = MetricsWriter(spec.get("metrics_dir") and f"{spec['metrics_dir']}/metrics_c{cluster}.jsonl")
     sync = make_sync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics)
-    sync.token_budget = spec["steps"] * (spec.get("tokens_by_cluster", {}).get(str(cluster)) or 1.0)
+    tokens_per_step = spec.get("tokens_by_cluster", {}).get(str(cluster)) or 1.0
+    sync.plan_tokens(spec["steps"] * tokens_per_step, tokens_per_step)
     sync.start()
     warnings: list = []
     handler = logging.Handler(logging.WARNING)
@@ -226,6 +228,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     tokens = spec.get("tokens_by_cluster", {}).get(str(cluster))
     corrupt = spec.get("corrupt", {})
     out = {"rows": [], "anchors": [], "params": [], "losses": [], "step_times": [], "error": None, "pre": [],
+           "planned": [],  # (members of the last applied round, the clock's planned total) at each boundary
            "warnings": warnings,
            "cluster": cluster, "joined_midrun": sync.joined_midrun, "first_iteration": sync.iteration,
            "start_broadcast": sync.start_broadcast, "t_started": t_started, "t_synced": time.time(),
@@ -254,6 +257,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
             time.sleep(spec.get("step_sleep_by_cluster", {}).get(str(cluster), 0.0))
             pre = [p.detach().clone() for p in model.parameters()] if spec.get("record_pre") else None
             if sync.after_inner_step(tokens=tokens):
+                out["planned"].append((sync.rows[-1]["num_clusters"] if sync.rows else 0, sync.clock.planned_total))
                 out["pre"].append(pre)  # θ just before the boundary (or landing)
                 out["anchors"].append([a.clone() for a in sync.anchor])
                 out["params"].append([p.detach().clone() for p in model.parameters()])
@@ -273,6 +277,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
         out["final_params"] = [p.detach().clone() for p in model.parameters()]
         out["final_hash"] = sync.model_hash()
         out["final_anchor"] = [a.clone() for a in sync.anchor]
+        out["clock"] = dataclasses.asdict(sync.clock)
     except Exception as exc:  # the test asserts on the message; the model must be untouched by a refused round
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["final_anchor"] = [a.clone() for a in sync.anchor]

@@ -62,7 +62,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 
 MAGIC = 0x44694C6F  # "DiLo"
 HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step_seconds",
-                 "seconds_per_byte", "tokens", "state_hash", "steps", "end_request")
+                 "seconds_per_byte", "tokens", "state_hash", "steps", "end_request", "plan")
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
 
 
@@ -95,6 +95,7 @@ class ExchangeResult:
     steps: int = 0  # and the inner steps they took
     member_tokens: list = field(default_factory=list)  # each member's tokens in the round (header; group order)
     end_requested: bool = False  # a member asked the run to end (header; outer/clock.py)
+    member_plans: list = field(default_factory=list)  # each member's planned tokens for the run (header; clock.py)
     member_index: int = 0  # this cluster's place in the group (and in the lists below) at the exchange
     member_step_seconds: list = field(default_factory=list)  # each member's inner-step time (header)
     weights: list = field(default_factory=list)  # each member's tokens per step: what the round was averaged with
@@ -243,12 +244,12 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
     def _exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
                   comm_seconds_prev: float = 0.0, step_seconds: float = 0.0,
                   seconds_per_byte_prev: float = 0.0, link_steps: float = 0.0, tokens: float = 1.0,
-                  state_hash: int = 0, steps: int = 1, end_request: bool = False) -> ExchangeResult:
+                  state_hash: int = 0, steps: int = 1, end_request: bool = False, plan: float = 0.0) -> ExchangeResult:
         """One round: compress M = δ + e, average over the clusters, keep the new e. ``link_steps`` > 0 (round 1
         under the link budget): first set the rank to what the link carries in that many steps, from the
         header's figures (the same on every cluster, so all decide alike). ``tokens``, ``steps``: this cluster's
         tokens and inner steps in the round (its weight in the average is their ratio); ``end_request``: it asks
-        the run to end (outer/clock.py); ``state_hash``: its outer state's hash (< 2^48), passed
+        the run to end and ``plan``: its planned tokens for the run (0: none; outer/clock.py); ``state_hash``: its outer state's hash (< 2^48), passed
         through to ``result.state_hashes``."""
         t_enter = time.perf_counter()
         C = coll.size
@@ -277,7 +278,7 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
 
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
                                comm_seconds_prev, step_seconds, seconds_per_byte_prev, tokens, state_hash,
-                               float(steps), float(end_request)],
+                               float(steps), float(end_request), float(plan)],
                               dtype=torch.float64)
         self._round = round_idx
         # (the header's tag leaves the round out: the header carries it, and a peer at another round is refused
@@ -294,6 +295,7 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
         per_step = self.cfg.token_weight_unit == "step"  # one token, one vote (docs/algorithm.md#weights)
         result.weights = [float(h[8]) / (max(float(h[10]), 1.0) if per_step else 1.0) for h in headers]
         result.end_requested = any(h[11] != 0 for h in headers)
+        result.member_plans = [float(h[12]) for h in headers]
         result.member_index, result.member_step_seconds = coll.rank, [float(h[6]) for h in headers]
         result.state_hashes = [int(h[9]) for h in headers]
         self._scales = self._weight_scales(result.weights)

@@ -35,8 +35,6 @@ def resolve(cfg, args) -> tuple[bool, str]:
     blockers = [why for cond, why in (
         (cfg.num_clusters < 2, "one cluster"),
         (not cfg.adaptive_h, "--dilocox-no-adaptive-h"),
-        (cfg.fragments > 1, "--dilocox-fragments > 1"),
-        (cfg.on_peer_failure != "stop", f"--dilocox-on-peer-failure {cfg.on_peer_failure}"),
         (bool(getattr(args, "rampup_batch_size", None)), "--rampup-batch-size"),
         (not (getattr(args, "train_iters", None) or getattr(args, "train_samples", None)), "no run length"),
     ) if cond]
@@ -86,5 +84,4 @@ def plan_tokens(opt, args):
     """--dilocox-per-site-h: this site's planned tokens for the run, before the sites add theirs up at start."""
     core = getattr(opt.sync, "sync", opt.sync)  # (canonical: rank 0's sync; None on the other ranks)
     if opt.cfg.per_site_h and core is not None:
-        core.tokens_per_step = opt.tokens_per_step
-        core.token_budget = run_iters(args) * opt.tokens_per_step
+        core.plan_tokens(run_iters(args) * opt.tokens_per_step, opt.tokens_per_step)

@@ -57,7 +57,7 @@ def fragments_config(config: DiLoCoXConfig, shapes) -> Optional[DiLoCoXConfig]:
     settings that fragments refuse (H min below F, a rejoin policy, too few rows)."""
     count = config.slow_link_fragments
     if count <= 1 or config.fragments > 1 or config.overlap == "none" or not config.link_budget \
-            or config.overlap_steps != 0 or config.per_site_h or config.exchange_layout == "canonical":
+            or config.overlap_steps != 0 or config.exchange_layout == "canonical":
         return None  # (a fixed τ lands each fragment as late as the whole round: nothing to gain)
     fragmented = dataclasses.replace(config, fragments=count, overlap="one-step-delay")
     try:

@@ -7,6 +7,9 @@ taken here instead, from numbers every site received in the same round headers:
 
     start:            planned_total ← Σ_c (site c's planned tokens)          (one all-gather, ``agree``)
     round applied:    tokens_applied += Σ_c tokens_c                         (the header's token counts)
+                      planned_total ← Σ_c plan_c over the round's members     (the header's plans: a site lost
+                                        under --dilocox-on-peer-failure continue takes its plan out, and a
+                                        rejoining one brings it back)
                       end_requested |= any site asked to end                  (the header's flag, ``--exit-duration``)
     every boundary:   round ← rounds launched;  projected ← applied + the round in flight (as large as the last)
                       complete ← projected within half a round of planned_total
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -34,7 +37,7 @@ _OLD_NAMES = {"budget_total": "planned_total", "global_tokens": "tokens_applied"
 
 @dataclass
 class RunClock:
-    planned_total: float = 0.0  # every site's planned tokens, summed at start (0: no token plan, lockstep rounds)
+    planned_total: float = 0.0  # the training sites' planned tokens, summed (0: no token plan, lockstep rounds)
     tokens_per_global_step: float = 0.0  # one inner step of every site: a lockstep-equivalent iteration
     run_iters_global: Optional[int] = None  # the longest site's plan in iterations (the outer lr's warm-up)
     round: int = 0  # rounds launched everywhere, at the last boundary
@@ -55,8 +58,11 @@ class RunClock:
         self.tokens_per_global_step = sum(p[1] for p in plans)
         self.run_iters_global = int(max(p[2] for p in plans)) or None
 
-    def applied(self, member_tokens: list, end_requested: bool):
-        """A round was applied: the tokens every site trained in it (its header), and whether a site asked to end."""
+    def applied(self, member_tokens: list, end_requested: bool, member_plans: Sequence[float] = ()):
+        """A round was applied: the tokens every site trained in it (its header), whether a site asked to end, and
+        the plans of the sites that took part (the run's total from now on: the plans of the sites training it)."""
+        if self.planned_total > 0 and member_plans and all(p > 0 for p in member_plans):
+            self.planned_total = sum(member_plans)
         self.last_round = sum(member_tokens)
         self.tokens_applied += self.last_round
         self.end_requested = self.end_requested or end_requested

@@ -60,15 +60,19 @@ def next_round(sync, result) -> tuple[int, int, int]:
     ``sync.link_share`` (the whole model's size over its own), τ to its own transfer. Fragments 1.. take
     fragment 0's H, and send whole when it does: their own plans, from their own noisy transfers, let one
     fragment want an H above --dilocox-h-max and cut its rank to 1-2 while the others went whole (real
-    ratio-325 link: four rounds of one fragment at compression error 0.92-0.96)."""
+    ratio-325 link: four rounds of one fragment at compression error 0.92-0.96).
+
+    With per-site H the plan is made in the slowest site's steps, the same on every site (``sync.shared``: the
+    next one is stored there), and only then sized to this site's speed (per_site): a site's own H never feeds
+    the next plan, and the slow-link switch decides from the shared one, so every site switches together."""
     cfg = sync.cfg
-    h = sync.h
+    h, prev_tau = getattr(sync, "shared", None) or (sync.h, sync.tau)
     if sync.leader is not None:
         return follow(sync, result)
     if cfg.adaptive_h:
         h = adaptive.choose_h(result.peer_comm_seconds * sync.link_share, result.peer_step_seconds, sync.h,
                               cfg.adaptive_h_margin, cfg.resolved_h_min, cfg.resolved_h_max)
-    tau = landing_step(sync, result, h)
+    tau = landing_step(sync, result, h, prev_tau)
     rank = result.next_rank
     if sync.link_budget and not sync.codec.groups:
         rank = 0  # nothing low-rank on this rank: whole, i.e. no say in the cluster's choice below
@@ -80,9 +84,11 @@ def next_round(sync, result) -> tuple[int, int, int]:
             rank = 0
         else:
             rank = budget_rank(sync, result)
+    shared = (h, tau)
     if cfg.per_site_h:
         h, tau = per_site(result, h, tau)
-    h, rank, tau = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget)
+    h, rank, tau, *shared = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget, shared=shared)
+    sync.shared = (shared[0], min(shared[1], shared[0]))
     return h, rank, min(tau, h)
 
 
@@ -90,7 +96,8 @@ def per_site(result, h: int, tau: int) -> tuple[int, int]:
     """--dilocox-per-site-h: H and τ above are in the slowest site's steps (adaptive H sizes them from the largest
     step time); this site runs as many of its own steps as fit in the same wall time, ⌊H · s_max / s_mine⌋, so
     the sites reach the boundary together (Asynchronous Local-SGD's dynamic local updates, arXiv 2401.09135).
-    From the step times in the headers every site received (docs/algorithm.md#sites-of-different-speeds)."""
+    From the step times in the headers every site received (docs/algorithm.md#sites-of-different-speeds); also
+    sizes a fragment's τ (follow), whose H is fragment 0's, already this site's."""
     steps = result.member_step_seconds
     if not steps or result.member_index >= len(steps):
         return h, tau
@@ -105,9 +112,11 @@ def link_holds_whole_rounds(sync) -> bool:
     """After a landing: whether this (unfragmented) sync's next round is sent whole and lands at least
     SLOW_LINK_TAU_SHARE of the way into the round after it, i.e. the whole transfer fills most of a round: then
     fragments (streaming.py) land each part ~H/F steps after it leaves instead. From H, τ and the rank every rank
-    of every cluster agreed on, so all switch at the same boundary."""
-    return (sync.link_budget and sync.codec.rank == 0 and sync.link.seconds_per_byte > 0 and sync.tau > 0
-            and sync.tau >= SLOW_LINK_TAU_SHARE * sync.h)
+    of every cluster agreed on (with per-site H: the shared plan, in the slowest site's steps; each site's own H
+    and τ are rounded apiece), so all switch at the same boundary."""
+    h, tau = getattr(sync, "shared", None) or (sync.h, sync.tau)
+    return (sync.link_budget and sync.codec.rank == 0 and sync.link.seconds_per_byte > 0 and tau > 0
+            and tau >= SLOW_LINK_TAU_SHARE * h)
 
 
 def budget_rank(sync, result) -> int:
@@ -117,11 +126,13 @@ def budget_rank(sync, result) -> int:
                                 result.peer_seconds_per_byte, result.num_clusters)
 
 
-def landing_step(sync, result, h: int) -> int:
-    """τ for a round of length H: fixed, or (adaptive) as short as the measured transfer allows."""
+def landing_step(sync, result, h: int, prev_tau: Optional[int] = None) -> int:
+    """τ for a round of length H: fixed, or (adaptive) as short as the measured transfer allows (unchanged from
+    ``prev_tau``, default sync.tau, while nothing is measured)."""
     if sync.cfg.overlap_steps != 0:
         return fixed_tau(sync.cfg, h)
-    tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, sync.tau, TAU_MARGIN, 1, h)
+    prev = sync.tau if prev_tau is None else prev_tau
+    tau = adaptive.choose_h(result.peer_comm_seconds, result.peer_step_seconds, prev, TAU_MARGIN, 1, h)
     if tau >= h and 0 < result.peer_comm_seconds <= SYNC_LANDING_STEPS * result.peer_step_seconds:
         tau = 0  # land at the boundary: a stale whole round costs more than this wait
     return tau
@@ -133,6 +144,8 @@ def follow(sync, result) -> tuple[int, int, int]:
     lead = sync.leader
     h = lead.h
     tau = landing_step(sync, result, h)
+    if sync.cfg.per_site_h:  # H is fragment 0's, this site's own already; τ is measured in the slowest site's steps
+        tau = per_site(result, tau, tau)[1]
     rank = result.next_rank
     if sync.link_budget:
         rank = 0

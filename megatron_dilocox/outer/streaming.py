@@ -143,7 +143,8 @@ class StreamingSync:
             f.codec.error = carve(error)
             f.codec.set_rank(sync.codec.rank, sync.round)
             f.round, f.steps_in_round, f.iteration, f.h = sync.round, sync.steps_in_round, sync.iteration, sync.h
-            f.round_tokens, f.round_steps, f.tokens_per_step = sync.round_tokens, sync.round_steps, sync.tokens_per_step
+            f.round_tokens, f.round_steps = sync.round_tokens, sync.round_steps
+            f.plan_tokens(sync.token_budget, sync.tokens_per_step)
             f.clock, f.end_request = dataclasses.replace(sync.clock), sync.end_request
             f.step_seconds, f._last_hook = sync.step_seconds, sync._last_hook
             # its own transfer is not measured yet: 0 keeps τ (and fragment 0's H) until it is. (The whole round's
@@ -154,7 +155,8 @@ class StreamingSync:
             # (a fragment's transfer is ~1/F of the whole one's); not this rank's own times, which differ between
             # ranks (a Megatron PP2 cluster whose stages landed a fragment at different steps hung in the
             # cluster's agreement)
-            f.tau = plan.fixed_tau(config, f.h) if config.overlap_steps != 0 else max(1, math.ceil(sync.tau / count))
+            share = lambda tau, h: plan.fixed_tau(config, h) if config.overlap_steps != 0 else max(1, math.ceil(tau / count))  # noqa: E731
+            f.tau, f.shared = share(sync.tau, f.h), (sync.shared[0], share(sync.shared[1], sync.shared[0]))
         return self
 
     def start(self):
@@ -164,6 +166,11 @@ class StreamingSync:
         for f in self.fragments:
             f.start()
         return self
+
+    def plan_tokens(self, token_budget: float, tokens_per_step: float):
+        """Every fragment's rounds carry all of its steps' tokens, so each holds the whole plan (sync.py)."""
+        for f in self.fragments:
+            f.plan_tokens(token_budget, tokens_per_step)
 
     def offset(self, j: int) -> int:
         """Steps into fragment 0's round at which fragment j's round ends (1 <= it < H, as H >= F)."""

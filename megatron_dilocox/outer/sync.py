@@ -107,6 +107,9 @@ class DiLoCoXSync:
         self.correction: Optional[LocalCorrection] = None  # eager: this cluster's fresh-term proxy
         self.h = config.h
         self.tau = plan.initial_tau(config, config.h)  # τ: landing step of the round in flight (≤ H)
+        # the plan (H, τ) in the slowest site's steps, the same on every site; H, τ above are this site's share of
+        # it (per-site H: plan.per_site; otherwise equal)
+        self.shared = (self.h, self.tau)
         self.round = 0  # rounds completed (launched) so far
         self.steps_in_round = 0
         self.iteration = 0
@@ -344,7 +347,7 @@ class DiLoCoXSync:
                                                       self.step_seconds, self.link.seconds_per_byte,
                                                       link_steps=first_link_steps, tokens=max(tokens, 1e-30),
                                                       steps=max(steps, 1), state_hash=state_hash,
-                                                      end_request=end_request), "ok"
+                                                      end_request=end_request, plan=self.token_budget), "ok"
                 if len(set(result.state_hashes)) > 1:
                     repair.fetch(self, result, state_hash)
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
@@ -402,6 +405,11 @@ class DiLoCoXSync:
         """Ask every site to end the run at a boundary (the next round's header carries it; clock.py)."""
         self.end_request = True
 
+    def plan_tokens(self, token_budget: float, tokens_per_step: float):
+        """Per-site H: this site's planned tokens for the run and its tokens per step, before start() adds the
+        sites' plans up (clock.agree). A method, so that the wrappers (fragments, the slow-link switch) pass it on."""
+        self.token_budget, self.tokens_per_step = float(token_budget), float(tokens_per_step)
+
     def outer_lr(self, launched_at: int, launched_tokens: float) -> float:
         return self.clock.outer_lr(self.cfg, launched_at, launched_tokens, self.train_iters)
 
@@ -430,7 +438,7 @@ class DiLoCoXSync:
             repair.install(self, result.repair)
             result.repair = None
         if result.deltas is not None:
-            self.clock.applied(result.member_tokens, result.end_requested)
+            self.clock.applied(result.member_tokens, result.end_requested, result.member_plans)
             lr = self.outer_lr(result.launched_at, result.launched_tokens)
             self.outer.step(result.deltas, lr=lr)  # φ ← Outer(φ, Δ)
         else:

@@ -30,7 +30,7 @@ from typing import Optional
 from megatron_dilocox.sim.boundary import (HOST_COPY_GB_S, HOST_ELEMENTWISE_GB_S, HOST_FIRST_TOUCH_GB_S, NODE_MEMORY_GB_S,
                                            PCIE_GB_S, SHA256_GB_S, exchange_and_boundary)
 
-HEADER_BYTES = 96  # codec.HEADER_BYTES: 12 float64 values
+HEADER_BYTES = 104  # codec.HEADER_BYTES: 13 float64 values
 SCALE_BYTES = 4  # one fp32 scale per quantization block
 TAG_BYTES = 32  # compression/auth.py: an HMAC-SHA256 tag per message
 SUMMABLE_BITS = (4, 8, 16, 32)  # compression/scatter.py
