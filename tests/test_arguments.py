@@ -76,7 +76,8 @@ def test_per_site_h_auto_resolves_from_the_run_and_says_why():
                                "--rampup-batch-size)")
     # it composes with fragments and with continue (docs/algorithm.md#sites-of-different-speeds)
     for other in (dict(fragments=4, overlap="one-step-delay"), dict(on_peer_failure="continue")):
-        assert per_site.resolve(DiLoCoXConfig(num_clusters=2, **other).validate(), SimpleNamespace(**run))[0] is True
+        cfg = DiLoCoXConfig(num_clusters=2, rendezvous="h:1", secret="s", **other).validate()
+        assert per_site.resolve(cfg, SimpleNamespace(**run))[0] is True
     assert per_site.resolve(DiLoCoXConfig(num_clusters=2, per_site_h=False), SimpleNamespace(**run))[0] is False
     assert per_site.resolve(DiLoCoXConfig(num_clusters=1), SimpleNamespace(**run))[0] is False
     args = SimpleNamespace(rampup_batch_size=None, train_iters=None, train_samples=1000, global_batch_size=8,
