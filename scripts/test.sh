@@ -2,8 +2,9 @@
 # Set up (idempotent) and run the test suite. CI runs exactly this (README, second command): every tier.
 #   bash scripts/test.sh             every tier (docs/testing.md): unit and core on 3 pytest workers that steal
 #                                    queued tests from each other (no long tail on one worker; the core tests'
-#                                    processes mostly wait on heartbeats and paced steps), then megatron, netns
-#                                    and slurm one test at a time (they keep the cores busy and some time links)
+#                                    processes mostly wait on heartbeats and paced steps), then megatron, netns,
+#                                    slurm and composition one test at a time (they keep the cores busy and some
+#                                    time links)
 #   bash scripts/test.sh --quick     the unit and core tiers only (no Megatron, no namespaces, no SLURM)
 #   bash scripts/test.sh ARGS...     pytest ARGS on tests/, one process (e.g. -m megatron, -k resume,
 #                                    tests/test_outer.py); DILOCOX_RUN_SLOW=1 or -m slow runs the slow ones too
@@ -24,5 +25,5 @@ if [ $# -gt 0 ]; then
 fi
 rc=0
 "${pytest[@]}" --durations=15 -n 3 --dist worksteal -m "unit or core" tests || rc=$?
-"${pytest[@]}" --durations=25 -m "megatron or netns or slurm" tests || rc=$?
+"${pytest[@]}" --durations=25 -m "megatron or netns or slurm or composition" tests || rc=$?
 exit $rc

@@ -9,6 +9,7 @@ its tests need the same, else a marker on each test:
 - ``megatron``: real Megatron ``pretrain()`` under torchrun on CPU.
 - ``netns``: network namespaces, veth and ``tc`` (root): a shaped or cut link between clusters.
 - ``slurm``: a real SLURM (slurmctld + slurmd) started on this host.
+- ``composition``: the composition matrix (docs/composition.md): real Megatron runs covering every pair of levels.
 
 ``slow`` is orthogonal: long runs (soaks, long horizons) that CI leaves to ``-m slow``; each has a short version
 in CI. ``bash scripts/test.sh --quick`` runs ``unit`` and ``core``; ``bash scripts/test.sh`` (CI) runs every
@@ -29,6 +30,7 @@ TIERS = {
     "megatron": "real Megatron pretrain() under torchrun on CPU",
     "netns": "network namespaces, veth and tc (root): a shaped or cut link",
     "slurm": "a real SLURM started on this host",
+    "composition": "the composition matrix: real Megatron runs, every pair of the defaults' levels (docs/composition.md)",
 }
 
 

@@ -108,6 +108,28 @@ def test_a_payload_altered_in_flight_is_applied_once_and_repaired_in_the_next_ro
     assert any("repaired from cluster 0" in w for w in res[(1, 0)]["warnings"])
 
 
+def test_a_request_to_end_stops_every_site_at_the_same_boundary(tmp_path):
+    """One site asks the run to end (the Megatron glue does when its --exit-duration-in-mins is up; outer/clock.py):
+    the request travels in that site's next header, and every site ends at the first boundary after the round
+    carrying it is applied: the same round on both although, with per-site H, at other iterations of their own.
+    Nothing is lost: every launched round is applied on both, with equal hashes."""
+    C = 2
+    res = train_clusters(C, steps=200, metrics_dir=str(tmp_path), step_sleep_by_cluster={"0": 0.01, "1": 0.03},
+                         end_request=[1, 20], finalize=False,
+                         dilocox=dilocox_spec(C, h=4, overlap="one-step-delay", lowrank=False, adaptive_h=True,
+                                              per_site_h=True))
+    assert_no_errors(res)
+    ended = [res[(c, 0)]["ended"] for c in range(C)]
+    assert all(e["ending"] for e in ended) and ended[0]["round"] == ended[1]["round"], ended
+    assert ended[0]["iteration"] != ended[1]["iteration"], ended  # (per-site H: the fast site ran more steps)
+    rows = [read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C)]
+    assert [r["global_model_hash"] for r in rows[0]] == [r["global_model_hash"] for r in rows[1]]
+    assert all(r["status"] == "applied" for rs in rows for r in rs)
+    # the request left with the round launched after step 20 of site 1 (round ~6 of 50): the run ended within two
+    # rounds of it, long before the plan
+    assert ended[0]["round"] <= rows[1][0]["round"] + 20 // 4 + 2 and ended[0]["round"] < 20, ended
+
+
 def test_per_site_h_sizes_each_sites_round_to_its_speed(tmp_path):
     """--dilocox-per-site-h with a site four times slower (its steps sleep 80 ms, the other's 20 ms): from round 3
     on the fast site runs at least twice the slow site's H and both weigh half (one token, one vote: the same tokens

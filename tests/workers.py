@@ -243,6 +243,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
                 if die.get("flag"):
                     open(die["flag"], "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if spec.get("end_request") == [cluster, step]:  # e.g. its --exit-duration-in-mins is up
+                sync.request_end()
             if spec.get("nan_at_step") is not None and cluster == spec.get("nan_cluster") \
                     and step == spec["nan_at_step"]:
                 with torch.no_grad():
@@ -270,7 +272,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
             if sync.stopped:
                 out["error"] = sync.stopped
                 break
-            if sync.clock.complete:
+            if sync.clock.complete or sync.clock.ending:
+                out["ended"] = {"round": sync.clock.round, "iteration": step + 1, "ending": sync.clock.ending}
                 break
         if spec.get("finalize", True) and not sync.stopped:
             sync.finalize()

@@ -1,0 +1,141 @@
+"""The composition matrix: the factors of a real run, the pairs of levels that cannot run together (and why), and the
+runs that cover every other pair at least once (a pairwise covering array). docs/composition.md is rendered from
+here (``scripts/composition_matrix.py``), and tests/test_composition.py runs each row with real Megatron.
+
+Why pairs: a default that breaks another feature shows up when the two meet in one run; covering every pair of
+levels at least once catches those with a handful of runs instead of every combination (2^6 x 3 = 192).
+
+The rows are chosen greedily from every valid combination: each next row covers the most pairs not yet covered,
+ties going to the cheaper run (fewer events, sites and processes), then to the first in one of a few fixed
+orders; the fewest rows of those orders win. The same factors always give the same rows.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Iterable
+
+FACTORS: dict[str, tuple[str, ...]] = {
+    "event": ("none", "restart", "rejoin"),  # none; every process killed and restarted; one site lost and rejoined
+    "layout": ("local", "canonical"),  # --dilocox-exchange-layout (canonical: the sites' layouts differ)
+    "rounds": ("per-site", "lockstep"),  # the default, or --dilocox-no-per-site-h
+    "link": ("fast", "slow"),  # slow: the rounds go as fragments (what the slow-link switch moves to)
+    "policy": ("stop", "continue"),  # --dilocox-on-peer-failure
+    "model": ("dense", "moe"),  # the tiny GPT, or its MoE form (4 experts, top-2)
+    "sites": ("equal", "half-core"),  # both unthrottled, or site 1 at half a core (a cgroup CPU quota)
+}
+
+# pairs of levels that cannot run together today, and why; a pair that only fails through a third factor (rejoin
+# with fragments: a rejoin needs continue, fragments need stop) is found by ``excluded()`` and named with its cause
+APART: dict[frozenset, str] = {
+    frozenset({("event", "rejoin"), ("policy", "stop")}):
+        "impossible: under stop a lost site stops the run (saving), so nothing is left to rejoin; a restart of "
+        "every site resumes it (event restart)",
+    frozenset({("layout", "canonical"), ("model", "moe")}):
+        "refused before training: the canonical exchange does not map expert parameters yet (glue/canonical.py)",
+    frozenset({("layout", "canonical"), ("link", "slow")}):
+        "refused before training: the canonical exchange needs --dilocox-fragments 1, and the slow-link switch "
+        "stays off with it (outer/auto.py)",
+    frozenset({("link", "slow"), ("policy", "continue")}):
+        "refused before training: fragments need --dilocox-on-peer-failure stop (a rejoining site is handed one "
+        "unfragmented state), and the slow-link switch stays off under continue (outer/auto.py)",
+}
+
+# what a level costs in a run, to break ties toward cheaper rows (seconds of the tiny GPT on the 2-core host, roughly)
+COST = {("event", "restart"): 40, ("event", "rejoin"): 40, ("layout", "canonical"): 15, ("model", "moe"): 15,
+        ("sites", "half-core"): 10, ("link", "slow"): 5}
+
+
+def _pairs(row: dict) -> set:
+    items = sorted(row.items())
+    return {frozenset({a, b}) for a, b in itertools.combinations(items, 2)}
+
+
+def valid(row: dict) -> bool:
+    """No pair of the row is apart."""
+    return not any(p in APART for p in _pairs(row))
+
+
+def all_rows() -> list[dict]:
+    """Every valid combination of levels, in the fixed order of FACTORS."""
+    names = list(FACTORS)
+    rows = [dict(zip(names, levels)) for levels in itertools.product(*FACTORS.values())]
+    return [r for r in rows if valid(r)]
+
+
+def possible_pairs() -> set:
+    """Every pair of levels (of two factors) that some valid row holds."""
+    return set().union(*(_pairs(r) for r in all_rows()))
+
+
+def excluded() -> dict[frozenset, str]:
+    """Every pair no valid row holds: APART's, and those ruled out through a third factor (with the reasons)."""
+    names = list(FACTORS)
+    every = {frozenset({(a, x), (b, y)}) for a, b in itertools.combinations(names, 2)
+             for x in FACTORS[a] for y in FACTORS[b]}
+    out = {}
+    for pair in sorted(every - possible_pairs(), key=sorted):
+        out[pair] = APART.get(pair) or _through_a_third(pair)
+    return out
+
+
+def _through_a_third(pair: frozenset) -> str:
+    """Why a pair that is not apart itself still has no valid row: a factor each of whose levels is apart from
+    one of the two."""
+    for name in FACTORS:
+        if name in {k for k, _ in pair}:
+            continue
+        clash = {level: next((item for item in sorted(pair) if frozenset({item, (name, level)}) in APART), None)
+                 for level in FACTORS[name]}
+        if all(clash.values()):
+            return (f"no {name} allows both: " + ", ".join(f"{name} {level} is apart from {k} {v}"
+                                                            for level, (k, v) in clash.items()))
+    return "no valid run holds it"
+
+
+def cost(row: dict) -> int:
+    return sum(COST.get(item, 0) for item in row.items())
+
+
+def covering_rows(tries: int = 64) -> list[dict]:
+    """Rows (valid combinations) that together hold every possible pair: the greedy cover, ties broken in
+    ``tries`` fixed orders; the one with the fewest rows, then the cheapest. Deterministic."""
+    best = None
+    for seed in range(tries):
+        order = all_rows()
+        random.Random(seed).shuffle(order) if seed else None
+        rank = {row_id(r): i for i, r in enumerate(order)}
+        left, chosen = possible_pairs(), []
+        while left:
+            row = max(order, key=lambda r: (len(_pairs(r) & left), -cost(r), -rank[row_id(r)]))
+            chosen.append(row)
+            left -= _pairs(row)
+        key = (len(chosen), sum(map(cost, chosen)))
+        if best is None or key < best[0]:
+            best = (key, chosen)
+    return best[1]
+
+
+def covered(rows: Iterable[dict]) -> set:
+    return set().union(*(_pairs(r) for r in rows))
+
+
+def row_id(row: dict) -> str:
+    """A short name for a row, e.g. ``restart-canonical-per-site-fast-stop-dense-half-core``."""
+    return "-".join(row[k] for k in FACTORS)
+
+
+def render() -> str:
+    """docs/composition.md's generated region: the rows, the pairs apart with their reasons, the count."""
+    rows = covering_rows()
+    lines = ["| run | " + " | ".join(FACTORS) + " |", "|---|" + "---|" * len(FACTORS)]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"| {i} | " + " | ".join(r[k] for k in FACTORS) + " |")
+    pairs = possible_pairs()
+    lines += ["", f"{len(rows)} runs cover all {len(pairs)} pairs of levels that can run together "
+                  f"(of {len(pairs) + len(excluded())}).", "",
+              "| pair | why it is not run |", "|---|---|"]
+    for pair, why in excluded().items():
+        a, b = sorted(pair)
+        lines.append(f"| {a[0]} {a[1]} + {b[0]} {b[1]} | {why} |")
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""The composition matrix (docs/composition.md, megatron_dilocox/harness/matrix.py): every pair of levels that can
+run together, in one of a few real-Megatron runs of the tiny GPT, two sites, the defaults plus the row's levels.
+
+Each run passes when: every process exits 0 (after the event's restart), every round (and fragment) carries the
+same global-model hash on both sites, every round is applied, and the event was survived: a restart resumes both
+sites at the same round (``every cluster resumes at round R``) and trains on; a lost site is admitted again and
+from then on holds the survivor's global model. Rows with a site at half a core need the cgroup CPU quota (root)
+and are skipped, saying so, where it cannot be set.
+"""
+import os
+import re
+import signal
+
+import pytest
+
+from megatron_dilocox.glue import checkpoints
+from megatron_dilocox.harness import matrix, throttle
+from megatron_dilocox.harness.spawn import free_port
+from tests.megatron_flags import failure_report, metrics_rows, run_on_cpu, start_on_cpu, tiny_gpt_flags
+
+pytestmark = pytest.mark.composition
+
+SECRET = "composition-secret"
+RESUME_RE = re.compile(r"every cluster resumes at round (\d+); this cluster loads iteration (\d+)")
+REJOIN_RE = re.compile(r"continues from iteration (\d+) with the running clusters")
+# planned iterations per site: enough rounds for the event to land mid-run; a rejoin needs the survivor still
+# training when the restarted site is up again (its start-up takes 10-20 s on the 2-core host)
+ITERS = {"none": 24, "restart": 40, "rejoin": 240}
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+
+
+def flags(row: dict, corpus: str, tmp_path) -> dict:
+    """The run's launcher arguments for a matrix row: the defaults plus the row's levels."""
+    megatron = tiny_gpt_flags(corpus, ITERS[row["event"]], *(MOE if row["model"] == "moe" else []))
+    if row["event"] == "restart":
+        ckpt = f"{tmp_path}/ckpt_c{{cluster}}"
+        megatron += ["--save", ckpt, "--load", ckpt, "--save-interval", "4", "--ckpt-format", "torch_dist"]
+    dilocox = ["--dilocox-h", "4", "--dilocox-metrics-file", f"{tmp_path}/metrics_c{{cluster}}.jsonl",
+               "--dilocox-on-peer-failure", row["policy"], "--dilocox-timeout", "30"]
+    dilocox += ["--dilocox-no-per-site-h"] if row["rounds"] == "lockstep" else []
+    dilocox += ["--dilocox-fragments", "2", "--dilocox-overlap", "one-step-delay"] if row["link"] == "slow" else []
+    kw = {}
+    if row["layout"] == "canonical":  # the sites' layouts differ: site 1 pipelines over two processes
+        dilocox += ["--dilocox-exchange-layout", "canonical"]
+        kw = dict(per_cluster_args={1: ["--pipeline-model-parallel-size", "2"]}, nproc_by_cluster={1: 2})
+    return dict(megatron=megatron, dilocox=dilocox, env={"DILOCOX_SECRET": SECRET}, **kw)
+
+
+def hashes(tmp_path, c, skip=0) -> dict:
+    """{(round, fragment): global-model hash} of site c's rows after the first ``skip``; every one applied."""
+    rows = metrics_rows(tmp_path, c)[skip:]
+    assert all(r["status"] == "applied" for r in rows), [r["status"] for r in rows]
+    return {(r["round"], r.get("fragment", 0)): r["global_model_hash"] for r in rows}
+
+
+def run_row(row: dict, corpus: str, tmp_path, slow_prefix):
+    args = flags(row, corpus, tmp_path)
+    prefix = {1: slow_prefix} if slow_prefix else None
+    if row["event"] == "none":
+        codes, logs = run_on_cpu(2, 1, prefix_by_cluster=prefix, timeout=600, **args)
+        assert codes == [0, 0], failure_report(logs)
+        mine, theirs = hashes(tmp_path, 0), hashes(tmp_path, 1)
+        assert mine and mine == theirs, (mine, theirs)
+        return f"{len(mine)} rounds"
+    port = free_port()
+    cl = start_on_cpu(2, 1, prefix_by_cluster=prefix, rendezvous_port=port, **args)
+    again = None
+    try:
+        if row["event"] == "restart":  # every process of both sites, once site 1 has saved twice
+            saved = lambda c: checkpoints.places(f"{tmp_path}/ckpt_c{c}") if os.path.isdir(f"{tmp_path}/ckpt_c{c}") else {}  # noqa: E731
+            assert cl.logs[1].wait_for(lambda log: len(saved(1)) >= 2 and log.last_iteration >= 12, 400), \
+                failure_report(cl.logs)
+            for c in range(2):
+                cl.kill(c, signal.SIGKILL)
+            cl.wait(60)
+            seen = [len(metrics_rows(tmp_path, c)) for c in range(2)]
+            codes, logs = run_on_cpu(2, 1, prefix_by_cluster=prefix, rendezvous_port=port, timeout=600, **args)
+            assert codes == [0, 0], failure_report(logs)
+            resumed = [RESUME_RE.search("\n".join(log.lines)) for log in logs]
+            assert all(resumed) and resumed[0].group(1) == resumed[1].group(1), failure_report(logs)
+            mine, theirs = hashes(tmp_path, 0, seen[0]), hashes(tmp_path, 1, seen[1])
+            assert mine and mine == theirs, (mine, theirs)
+            return f"resumed at round {resumed[0].group(1)}, {len(mine)} rounds after"
+        # rejoin: site 1 lost mid-run (all of its processes), restarted; the survivor trains on
+        assert cl.logs[1].wait_for(lambda log: log.last_iteration >= 8, 300), failure_report(cl.logs)
+        cl.kill(1, signal.SIGKILL, rank=0)
+        cl.procs[1].wait(60)
+        seen = len(metrics_rows(tmp_path, 1))
+        again = start_on_cpu(2, 1, prefix_by_cluster=prefix, rendezvous_port=port, only=[1], **args)
+        codes = [cl.wait(900)[0]] + again.wait(600)
+        assert codes == [0, 0], failure_report([cl.logs[0]] + again.logs)
+        assert any(REJOIN_RE.search(line) for line in again.logs[0].lines), failure_report(again.logs)
+        survivor, joiner = hashes(tmp_path, 0), hashes(tmp_path, 1, seen)
+        assert joiner and all(survivor[k] == v for k, v in joiner.items()), (joiner, survivor)
+        return f"rejoined, {len(joiner)} rounds agreed after"
+    finally:
+        cl.stop()
+        if again is not None:
+            again.stop()
+
+
+@pytest.fixture
+def corpus(kjv):
+    return str(kjv)
+
+
+@pytest.mark.parametrize("row", matrix.covering_rows(), ids=matrix.row_id)
+def test_every_pair_of_defaults_runs_together(row, corpus, tmp_path):
+    if row["sites"] == "half-core":
+        reason = throttle.unavailable()
+        if reason:
+            pytest.skip(f"a site at half a core needs a cgroup CPU quota: {reason}")
+        with throttle.cpu_quota(f"dilocox_matrix_{os.getpid()}", 0.5) as slow:
+            said = run_row(row, corpus, tmp_path, slow)
+    else:
+        said = run_row(row, corpus, tmp_path, None)
+    print(f"MATRIX {matrix.row_id(row)}: {said}")
