@@ -169,3 +169,15 @@ def test_checkpoints_with_another_fragment_count_are_refused_naming_the_flag():
         two.load_state_dict(one.state_dict())
     with pytest.raises(ValueError, match=r"different settings: \['fragments'\]; .* --dilocox-fragments 2"):
         one.load_state_dict(two.state_dict())
+
+
+def test_fragments_answer_everything_the_megatron_glue_asks_of_the_round_logic():
+    """The glue (glue/seam.py, glue/run_clock.py, glue/per_site.py) drives StreamingSync as it drives DiLoCoXSync,
+    also after the slow-link switch (outer/auto.py hands every call on): each thing it reads or calls is there."""
+    used = ("start", "after_inner_step", "finalize", "close", "state_dict", "load_state_dict", "global_params",
+            "params", "rows", "iteration", "stopped", "stopped_round", "clock", "position", "progress",
+            "request_end", "plan_tokens", "anchor", "outer_device", "joined_midrun", "model_hash")
+    sync = StreamingSync([torch.zeros(8, 4), torch.zeros(4)], DiLoCoXConfig(h=4, fragments=2,
+                                                                                overlap="one-step-delay"))
+    missing = [name for name in used if not (hasattr(type(sync), name) or name in vars(sync))]  # (not started)
+    assert not missing, missing

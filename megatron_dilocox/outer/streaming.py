@@ -231,6 +231,10 @@ class StreamingSync:
     def position(self) -> tuple[int, int]:
         return self.lead.position()
 
+    def progress(self):
+        """The run's fraction so far (per-site H; None otherwise): fragment 0's rounds carry every step's tokens."""
+        return self.lead.progress()
+
     def request_end(self):
         for f in self.fragments:
             f.request_end()
