@@ -7,7 +7,7 @@ Bytes: the tensors every rank of a cluster owns are built from a Megatron GPT la
 column-parallel and columns of row-parallel weights, PP splits layers, DP either splits every parameter
 into contiguous row-aligned slices like the distributed optimizer, or deals whole tensors round-robin).
 Each rank's DiLoCoX payload is the codec's closed form (``PseudoGradientCodec.payload_sizes``): low-rank P
-and Q of same-shape matrix groups plus the small tensors whole, each ``payload_bytes`` long; a 96-byte
+and Q of same-shape matrix groups plus the small tensors whole, each ``payload_bytes`` long; a 104-byte
 header, phase 1 and phase 2 travel as all-gathers ((C-1)*S bytes sent) or, at 32 bits, ring all-reduces
 (floor(2(C-1)S/C)). All ranks of a cluster share the one link, so T_comm = (sum over ranks) / bandwidth
 + latency per ring hop.
