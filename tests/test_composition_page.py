@@ -2,6 +2,7 @@
 cover every pair of levels that can run together, every pair left out has a reason, the refusals the page
 names are the product's, and the page is the generator's output."""
 import itertools
+import pathlib
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -42,6 +43,7 @@ def test_the_refusals_the_page_names_are_refused_before_training():
 
 
 def test_the_page_is_current():
-    script = [sys.executable, "scripts/composition_matrix.py", "--check"]
+    script = [sys.executable, str(pathlib.Path(__file__).resolve().parent.parent / "scripts" / "composition_matrix.py"),
+              "--check"]
     done = subprocess.run(script, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -285,3 +285,22 @@ def test_eager_stand_in_under_a_changing_outer_lr_is_the_optimizer_run_at_the_cu
         d = torch.randn(3, 2, generator=g)
         corr.step([d], 0.75, lr=lr)
         assert torch.allclose(corr.value[0], -lr * 0.75 * d, atol=1e-6), lr
+
+
+def test_the_runs_total_follows_the_members_what_was_trained_stays():
+    """outer/clock.py under --dilocox-on-peer-failure continue: while the members stay the total stays; when a site
+    is lost the rest of its plan leaves the total (what it trained stays: tokens applied before the round plus
+    what the remaining members still plan); when it rejoins, its plan comes back. A checkpoint written before the
+    clock counted its sites resumes with its total."""
+    from megatron_dilocox.outer.clock import RunClock
+    c = RunClock(planned_total=120.0, sites=2, tokens_per_global_step=2.0)
+    c.applied([4.0, 8.0], False, [56.0, 52.0], 0.0)
+    assert (c.planned_total, c.sites, c.tokens_applied) == (120.0, 2, 12.0)
+    c.applied([4.0], False, [52.0], 12.0)  # site 1 lost after its 8 tokens: 12 applied + site 0's 52 left
+    assert (c.planned_total, c.sites) == (64.0, 1)
+    c.applied([4.0, 4.0], False, [48.0, 60.0], 16.0)  # it rejoins as a new process: its whole plan ahead
+    assert (c.planned_total, c.sites) == (124.0, 2)
+    old = RunClock()
+    old.load_state_dict({"planned_total": 120.0, "tokens_applied": 40.0})
+    old.applied([4.0, 4.0], False, [60.0, 60.0], 40.0)  # (no own tokens saved: plans left look whole)
+    assert (old.planned_total, old.sites) == (120.0, 2)

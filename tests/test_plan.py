@@ -26,7 +26,7 @@ def planner(h=10, tau=10, link_share=1.0, leader=None, **cfg):
     config = DiLoCoXConfig(num_clusters=2, h=h, lowrank_rank=6, lowrank_min_dim=64, quant_bits=4, **cfg)
     codec = PseudoGradientCodec(SHAPES, config)
     return SimpleNamespace(cfg=config, codec=codec, h=h, tau=tau, intra=SingleRank(), link_budget=True,
-                           link_share=link_share, leader=leader)
+                           link_share=link_share, leader=leader, shared=(h, tau), sent={}, shared_sent={})
 
 
 def landed(codec, whole_steps, comm_steps=1.0):
@@ -115,11 +115,11 @@ def test_later_fragments_take_fragment_0s_h_and_go_whole_with_it():
     When fragment 0's rounds are cut, a follower's rank is what the link carries in its share of the budget."""
     kw = dict(link_share=3.0, fragments=4, overlap="one-step-delay")
     lead = planner(h=10, h_max=60, **kw)
-    lead.h, lead.codec.rank = 57, 0  # fragment 0 planned whole at H = 57
+    lead.h, lead.codec.rank, lead.shared = 57, 0, (57, 57)  # fragment 0 planned whole at H = 57
     follower = planner(h=10, h_max=60, leader=lead, **kw)
     h, rank, tau = plan.next_round(follower, landed(follower.codec, 25.0, comm_steps=9.0))
     assert (h, rank, tau) == (57, 0, math.ceil(9.0 * (1 + plan.TAU_MARGIN)))
-    lead.h, lead.codec.rank = 10, 4  # fragment 0 cut to rank 4 at H = 10
+    lead.h, lead.codec.rank, lead.shared = 10, 4, (10, 10)  # fragment 0 cut to rank 4 at H = 10
     result = landed(follower.codec, 25.0, comm_steps=9.0)
     h, rank, tau = plan.next_round(follower, result)
     expected = largest_rank_within(follower.codec, 10 / (1 + LINK_MARGIN) / 3 * STEP, result.peer_seconds_per_byte)

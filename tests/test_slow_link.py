@@ -27,7 +27,8 @@ from tests.workers import (HIDDEN, IN, OUT, assert_no_errors, dilocox_spec, inne
 
 
 def _sync(rank=0, h=100, tau=100, rate=1e-5, budget=True):
-    return SimpleNamespace(link_budget=budget, codec=SimpleNamespace(rank=rank), h=h, tau=tau, link=LinkRate(rate))
+    return SimpleNamespace(link_budget=budget, codec=SimpleNamespace(rank=rank), h=h, tau=tau, link=LinkRate(rate),
+                           shared=(h, tau))
 
 
 @pytest.mark.unit
@@ -232,7 +233,7 @@ def test_per_site_h_on_a_slow_link_switches_every_site_together_and_ends_at_the_
     switched = [i for i, r in enumerate(rows[0]) if r["fragment"] == 1]
     assert switched, [(r["fragment"], r["round"], r["H"], r["launched_at"]) for r in rows[0]]
     after = [(f["H"], s["H"]) for f, s in list(zip(rows[0], rows[1]))[switched[0]:-2]]  # (the end: partial rounds)
-    assert after and all(f >= 1.5 * s for f, s in after), after
+    assert after and all(1.5 * s <= f <= 2.5 * s for f, s in after), after  # (steps of 25 and 50 ms: about 2x)
     # every step's tokens once per fragment: fragment 0's rounds (the clock) reach the total within its last
     # round; fragment 1's, from the switch on, hold the same steps as fragment 0's from there (the end sends
     # each fragment's partial round)

@@ -62,7 +62,8 @@ from megatron_dilocox.config import DiLoCoXConfig
 
 MAGIC = 0x44694C6F  # "DiLo"
 HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step_seconds",
-                 "seconds_per_byte", "tokens", "state_hash", "steps", "end_request", "plan")
+                 "seconds_per_byte", "tokens", "state_hash", "steps", "end_request", "plan_left")
+_F = {name: i for i, name in enumerate(HEADER_FIELDS)}
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
 
 
@@ -95,7 +96,7 @@ class ExchangeResult:
     steps: int = 0  # and the inner steps they took
     member_tokens: list = field(default_factory=list)  # each member's tokens in the round (header; group order)
     end_requested: bool = False  # a member asked the run to end (header; outer/clock.py)
-    member_plans: list = field(default_factory=list)  # each member's planned tokens for the run (header; clock.py)
+    member_plans_left: list = field(default_factory=list)  # each member's planned tokens not yet applied (header; clock.py)
     member_index: int = 0  # this cluster's place in the group (and in the lists below) at the exchange
     member_step_seconds: list = field(default_factory=list)  # each member's inner-step time (header)
     weights: list = field(default_factory=list)  # each member's tokens per step: what the round was averaged with
@@ -244,12 +245,12 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
     def _exchange(self, deltas: Sequence[torch.Tensor], coll: Collective, round_idx: int,
                   comm_seconds_prev: float = 0.0, step_seconds: float = 0.0,
                   seconds_per_byte_prev: float = 0.0, link_steps: float = 0.0, tokens: float = 1.0,
-                  state_hash: int = 0, steps: int = 1, end_request: bool = False, plan: float = 0.0) -> ExchangeResult:
+                  state_hash: int = 0, steps: int = 1, end_request: bool = False, plan_left: float = 0.0) -> ExchangeResult:
         """One round: compress M = δ + e, average over the clusters, keep the new e. ``link_steps`` > 0 (round 1
         under the link budget): first set the rank to what the link carries in that many steps, from the
         header's figures (the same on every cluster, so all decide alike). ``tokens``, ``steps``: this cluster's
         tokens and inner steps in the round (its weight in the average is their ratio); ``end_request``: it asks
-        the run to end and ``plan``: its planned tokens for the run (0: none; outer/clock.py); ``state_hash``: its outer state's hash (< 2^48), passed
+        the run to end and ``plan_left``: its planned tokens not yet in an applied round (outer/clock.py); ``state_hash``: its outer state's hash (< 2^48), passed
         through to ``result.state_hashes``."""
         t_enter = time.perf_counter()
         C = coll.size
@@ -278,7 +279,7 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
 
         header = torch.tensor([MAGIC, round_idx, self.layout_hash, self.rank, float(local_ok),
                                comm_seconds_prev, step_seconds, seconds_per_byte_prev, tokens, state_hash,
-                               float(steps), float(end_request), float(plan)],
+                               float(steps), float(end_request), float(plan_left)],
                               dtype=torch.float64)
         self._round = round_idx
         # (the header's tag leaves the round out: the header carries it, and a peer at another round is refused
@@ -293,9 +294,10 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
         result.peer_seconds_per_byte = max(float(h[7]) for h in headers)
         result.tokens, result.steps, result.member_tokens = float(tokens), int(steps), [float(h[8]) for h in headers]
         per_step = self.cfg.token_weight_unit == "step"  # one token, one vote (docs/algorithm.md#weights)
-        result.weights = [float(h[8]) / (max(float(h[10]), 1.0) if per_step else 1.0) for h in headers]
-        result.end_requested = any(h[11] != 0 for h in headers)
-        result.member_plans = [float(h[12]) for h in headers]
+        result.weights = [float(h[_F["tokens"]]) / (max(float(h[_F["steps"]]), 1.0) if per_step else 1.0)
+                          for h in headers]
+        result.end_requested = any(h[_F["end_request"]] != 0 for h in headers)
+        result.member_plans_left = [float(h[_F["plan_left"]]) for h in headers]
         result.member_index, result.member_step_seconds = coll.rank, [float(h[6]) for h in headers]
         result.state_hashes = [int(h[9]) for h in headers]
         self._scales = self._weight_scales(result.weights)

@@ -103,7 +103,8 @@ def covering_rows(tries: int = 64) -> list[dict]:
     best = None
     for seed in range(tries):
         order = all_rows()
-        random.Random(seed).shuffle(order) if seed else None
+        if seed:
+            random.Random(seed).shuffle(order)
         rank = {row_id(r): i for i, r in enumerate(order)}
         left, chosen = possible_pairs(), []
         while left:

@@ -7,9 +7,10 @@ taken here instead, from numbers every site received in the same round headers:
 
     start:            planned_total ← Σ_c (site c's planned tokens)          (one all-gather, ``agree``)
     round applied:    tokens_applied += Σ_c tokens_c                         (the header's token counts)
-                      planned_total ← Σ_c plan_c over the round's members     (the header's plans: a site lost
-                                        under --dilocox-on-peer-failure continue takes its plan out, and a
-                                        rejoining one brings it back)
+                      when the members changed (--dilocox-on-peer-failure continue):
+                      planned_total ← tokens applied before the round + Σ_c plan left_c over the round's
+                                        members (the headers': a lost site takes the rest of its plan out, what
+                                        it trained stays; a rejoining one brings its plan back)
                       end_requested |= any site asked to end                  (the header's flag, ``--exit-duration``)
     every boundary:   round ← rounds launched;  projected ← applied + the round in flight (as large as the last)
                       complete ← projected within half a round of planned_total
@@ -47,6 +48,7 @@ class RunClock:
     complete: bool = False  # the run ends at this boundary (its last round is the one just launched)
     end_requested: bool = False  # an applied round carried a site's request to end (--exit-duration-in-mins)
     ending: bool = False  # the run stops at this boundary on every site (saving), by that request
+    sites: int = 0  # how many sites' plans the total holds (a change of members re-counts it)
 
     # ------------------------------------------------------------------------------------ the shared numbers
     def agree(self, group, token_budget: float, tokens_per_step: float, train_iters: Optional[int]):
@@ -54,15 +56,21 @@ class RunClock:
         mine = torch.tensor([float(token_budget), float(tokens_per_step), float(train_iters or 0)],
                             dtype=torch.float64)
         plans = [t.view(torch.float64).tolist() for t in group.all_gather(mine.view(torch.uint8), (0, 0, "budget"))]
-        self.planned_total = sum(p[0] for p in plans)
+        self.planned_total, self.sites = sum(p[0] for p in plans), len(plans)
         self.tokens_per_global_step = sum(p[1] for p in plans)
         self.run_iters_global = int(max(p[2] for p in plans)) or None
 
-    def applied(self, member_tokens: list, end_requested: bool, member_plans: Sequence[float] = ()):
+    def applied(self, member_tokens: list, end_requested: bool, member_plans_left: Sequence[float] = (),
+                launched_tokens: float = 0.0):
         """A round was applied: the tokens every site trained in it (its header), whether a site asked to end, and
-        the plans of the sites that took part (the run's total from now on: the plans of the sites training it)."""
-        if self.planned_total > 0 and member_plans and all(p > 0 for p in member_plans):
-            self.planned_total = sum(member_plans)
+        what the sites that took part still planned when it was launched (``launched_tokens``: the tokens applied
+        then): when the members changed, the run's total from now on is what was trained plus what the sites
+        training it still plan (while they stay, the total stays: a checkpoint from before sites counted their own
+        tokens resumes with its total)."""
+        if self.sites < 0:  # (resumed from a checkpoint that did not count them: the members it resumed with)
+            self.sites = len(member_plans_left)
+        if self.planned_total > 0 and member_plans_left and len(member_plans_left) != self.sites:
+            self.planned_total, self.sites = launched_tokens + sum(member_plans_left), len(member_plans_left)
         self.last_round = sum(member_tokens)
         self.tokens_applied += self.last_round
         self.end_requested = self.end_requested or end_requested
@@ -110,7 +118,7 @@ class RunClock:
 
     # ------------------------------------------------------------------------------------ moving it
     FIELDS = ("planned_total", "tokens_per_global_step", "run_iters_global", "round", "tokens_applied", "last_round",
-              "projected", "complete", "end_requested", "ending")
+              "projected", "complete", "end_requested", "ending", "sites")
 
     def as_floats(self) -> list[float]:
         """Every field as a float64 (exact for these values): one broadcast moves the clock inside a site."""
@@ -134,3 +142,5 @@ class RunClock:
         for k, v in state.items():
             setattr(self, _OLD_NAMES.get(k, k), v)
         self.end_requested = self.ending = False
+        if "sites" not in state:
+            self.sites = -1

@@ -66,11 +66,11 @@ def next_round(sync, result) -> tuple[int, int, int]:
     next one is stored there), and only then sized to this site's speed (per_site): a site's own H never feeds
     the next plan, and the slow-link switch decides from the shared one, so every site switches together."""
     cfg = sync.cfg
-    h, prev_tau = getattr(sync, "shared", None) or (sync.h, sync.tau)
     if sync.leader is not None:
         return follow(sync, result)
+    h, prev_tau = sync.shared
     if cfg.adaptive_h:
-        h = adaptive.choose_h(result.peer_comm_seconds * sync.link_share, result.peer_step_seconds, sync.h,
+        h = adaptive.choose_h(result.peer_comm_seconds * sync.link_share, result.peer_step_seconds, h,
                               cfg.adaptive_h_margin, cfg.resolved_h_min, cfg.resolved_h_max)
     tau = landing_step(sync, result, h, prev_tau)
     rank = result.next_rank
@@ -114,7 +114,7 @@ def link_holds_whole_rounds(sync) -> bool:
     fragments (streaming.py) land each part ~H/F steps after it leaves instead. From H, τ and the rank every rank
     of every cluster agreed on (with per-site H: the shared plan, in the slowest site's steps; each site's own H
     and τ are rounded apiece), so all switch at the same boundary."""
-    h, tau = getattr(sync, "shared", None) or (sync.h, sync.tau)
+    h, tau = sync.shared
     return (sync.link_budget and sync.codec.rank == 0 and sync.link.seconds_per_byte > 0 and tau > 0
             and tau >= SLOW_LINK_TAU_SHARE * h)
 
@@ -140,19 +140,23 @@ def landing_step(sync, result, h: int, prev_tau: Optional[int] = None) -> int:
 
 def follow(sync, result) -> tuple[int, int, int]:
     """(H, rank, τ) of a fragment after the first (see next_round): fragment 0's H; whole when fragment 0's
-    rounds go whole, else the rank the link carries in its share of the budget; τ from its own transfer."""
+    rounds go whole, else the rank the link carries in its share of the budget; τ from its own transfer.
+    Fragment 0's H and rank as it sent the round that just landed here (``sent``): with per-site H the sites'
+    fragments land in orders of their own, so fragment 0's latest plan could be one round apart between sites."""
     lead = sync.leader
-    h = lead.h
-    tau = landing_step(sync, result, h)
-    if sync.cfg.per_site_h:  # H is fragment 0's, this site's own already; τ is measured in the slowest site's steps
-        tau = per_site(result, tau, tau)[1]
+    h, lead_rank = lead.sent.get(result.round, (lead.h, lead.codec.rank))
+    shared_h = lead.shared_sent.get(result.round, lead.shared)[0]
+    shared_tau = landing_step(sync, result, shared_h, sync.shared[1])  # in the slowest site's steps
+    tau = per_site(result, shared_tau, shared_tau)[1] if sync.cfg.per_site_h else shared_tau
     rank = result.next_rank
     if sync.link_budget:
         rank = 0
-        if lead.codec.rank != 0 and sync.codec.groups and result.peer_seconds_per_byte > 0 \
+        if lead_rank != 0 and sync.codec.groups and result.peer_seconds_per_byte > 0 \
                 and result.peer_step_seconds > 0:
             rank = budget_rank(sync, result)
-    h, rank, tau = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget)
+    h, rank, tau, *shared = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget,
+                                             shared=(shared_h, shared_tau))
+    sync.shared = (shared[0], min(shared[1], shared[0]))
     return h, rank, min(tau, h)
 
 

@@ -32,7 +32,8 @@ def save(sync) -> dict:
         "round_tokens": sync.round_tokens, "launched_tokens": sync._launched_tokens,
         "round_steps": sync.round_steps, "launched_steps": sync._launched_steps,
         "clock": sync.clock.state_dict(),
-        "h": sync.h, "tau": sync.tau, "shared_plan": list(sync.shared), "comm_seconds_prev": sync.comm_seconds_prev, "step_seconds": sync.step_seconds,
+        "h": sync.h, "tau": sync.tau, "shared_plan": list(sync.shared), "own_tokens": sync.own_tokens,
+        "sent": dict(sync.sent), "shared_sent": dict(sync.shared_sent), "comm_seconds_prev": sync.comm_seconds_prev, "step_seconds": sync.step_seconds,
         "seconds_per_byte_prev": sync.link.seconds_per_byte,
         "anchor": [a.clone() for a in sync.anchor],
         "round_start": [s.clone() for s in sync.round_start] if sync.delayed else None,
@@ -75,6 +76,8 @@ def load(sync, state: dict):
     sync.h, sync.comm_seconds_prev, sync.step_seconds = state["h"], state["comm_seconds_prev"], state["step_seconds"]
     sync.tau = state.get("tau", plan.fixed_tau(sync.cfg, sync.h))  # checkpoints from before τ was saved (τ was H)
     sync.shared = tuple(state.get("shared_plan", (sync.h, sync.tau)))  # (before the shared plan: this site's)
+    sync.own_tokens = state.get("own_tokens", 0.0)
+    sync.sent, sync.shared_sent = dict(state.get("sent", {})), dict(state.get("shared_sent", {}))
     sync.link.seconds_per_byte = state.get("seconds_per_byte_prev", 0.0)  # (from before the link budget)
     cfg, device = sync.cfg, sync.outer_device
     sync.anchor = [a.to(device, torch.float32).clone() for a in state["anchor"]]

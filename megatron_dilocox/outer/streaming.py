@@ -122,6 +122,7 @@ class StreamingSync:
         self.rows, self.exchange_spans = sync.rows, sync.exchange_spans
         for f in self.fragments:
             f.rows, f.exchange_spans = sync.rows, sync.exchange_spans
+        self.plan_tokens(sync.token_budget, sync.tokens_per_step)  # (a resume after the switch builds them here)
         return self
 
     @classmethod
@@ -143,8 +144,7 @@ class StreamingSync:
             f.codec.error = carve(error)
             f.codec.set_rank(sync.codec.rank, sync.round)
             f.round, f.steps_in_round, f.iteration, f.h = sync.round, sync.steps_in_round, sync.iteration, sync.h
-            f.round_tokens, f.round_steps = sync.round_tokens, sync.round_steps
-            f.plan_tokens(sync.token_budget, sync.tokens_per_step)
+            f.round_tokens, f.round_steps, f.own_tokens = sync.round_tokens, sync.round_steps, sync.own_tokens
             f.clock, f.end_request = dataclasses.replace(sync.clock), sync.end_request
             f.step_seconds, f._last_hook = sync.step_seconds, sync._last_hook
             # its own transfer is not measured yet: 0 keeps τ (and fragment 0's H) until it is. (The whole round's

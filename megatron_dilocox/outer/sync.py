@@ -110,6 +110,10 @@ class DiLoCoXSync:
         # the plan (H, τ) in the slowest site's steps, the same on every site; H, τ above are this site's share of
         # it (per-site H: plan.per_site; otherwise equal)
         self.shared = (self.h, self.tau)
+        # (H, rank) and the shared plan each recent round was sent with: fragments 1.. follow fragment 0's as of
+        # the round they land (plan.follow), which is the same on every site whatever the order of landings
+        self.sent: dict[int, tuple[int, int]] = {}
+        self.shared_sent: dict[int, tuple[int, int]] = {}
         self.round = 0  # rounds completed (launched) so far
         self.steps_in_round = 0
         self.iteration = 0
@@ -126,6 +130,7 @@ class DiLoCoXSync:
         # where the run is, in numbers every site holds alike (clock.py); per-site H: the run ends at a token total
         self.clock = RunClock()
         self.token_budget = 0.0  # this site's planned tokens (the glue: --train-iters x tokens per step)
+        self.own_tokens = 0.0  # this site's tokens in applied rounds (its plan left: token_budget - own_tokens)
         self.end_request = False  # this site asks the run to end at a boundary (--exit-duration-in-mins)
         self._last_hook = None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dilocox-exchange")
@@ -227,6 +232,7 @@ class DiLoCoXSync:
         tokens, self.round_tokens = self.round_tokens, 0.0
         steps, self.round_steps = self.round_steps, 0
         end = self.end_request  # (fixed here, on the main thread: every rank of the cluster sends the same)
+        self._record_sent()
         if not self.delayed:
             t0 = time.perf_counter()
             result = self._exchange(delta, self.round, self.iteration, tokens, steps, end)
@@ -255,6 +261,11 @@ class DiLoCoXSync:
             self.clock.at_boundary(self.round, in_flight=True)
             if self.tau == 0:  # synchronous landing (plan.SYNC_LANDING_STEPS): θ = φ + (θ − θ_s) = φ exactly
                 self.land()
+
+    def _record_sent(self):
+        self.sent[self.round], self.shared_sent[self.round] = (self.h, self.codec.rank), self.shared
+        for old in [r for r in self.sent if r < self.round - 4]:
+            del self.sent[old], self.shared_sent[old]
 
     @torch.no_grad()
     def land(self):
@@ -335,6 +346,7 @@ class DiLoCoXSync:
         (Runs in the exchange thread: φ and the momentum are not written until the main thread applies it.)"""
         t0, wall0 = time.perf_counter(), time.time()
         launched_tokens = self.clock.tokens_applied  # (the main thread changes it only when it applies this round)
+        plan_left = max(self.token_budget - self.own_tokens, 0.0)  # (and this)
         state_hash = self.state_hash()
         # round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
         # header every cluster shares (no landing has run _adapt yet)
@@ -347,7 +359,7 @@ class DiLoCoXSync:
                                                       self.step_seconds, self.link.seconds_per_byte,
                                                       link_steps=first_link_steps, tokens=max(tokens, 1e-30),
                                                       steps=max(steps, 1), state_hash=state_hash,
-                                                      end_request=end_request, plan=self.token_budget), "ok"
+                                                      end_request=end_request, plan_left=plan_left), "ok"
                 if len(set(result.state_hashes)) > 1:
                     repair.fetch(self, result, state_hash)
                 result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
@@ -438,7 +450,9 @@ class DiLoCoXSync:
             repair.install(self, result.repair)
             result.repair = None
         if result.deltas is not None:
-            self.clock.applied(result.member_tokens, result.end_requested, result.member_plans)
+            self.clock.applied(result.member_tokens, result.end_requested, result.member_plans_left,
+                               result.launched_tokens)
+            self.own_tokens += result.tokens
             lr = self.outer_lr(result.launched_at, result.launched_tokens)
             self.outer.step(result.deltas, lr=lr)  # φ ← Outer(φ, Δ)
         else:

@@ -75,7 +75,7 @@ def run_alone(data, iters, prefix, out):
 
 
 def run_isolated(data, iters, prefix):
-    codes, logs = run(2, 1, gpt_flags(data, iters, 1, 1) + EVAL + list(megatron), None, prefix_by_cluster={1: prefix}, echo=False,
+    codes, logs = run(2, 1, gpt_flags(data, iters, 1, 1) + EVAL, None, prefix_by_cluster={1: prefix}, echo=False,
                       timeout=3600)
     if codes != [0, 0]:
         raise SystemExit(f"isolated runs failed: {[log.lines[-30:] for log in logs]}")
