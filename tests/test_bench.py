@@ -16,6 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.netns
+@pytest.mark.slow  # CI: the WAN testbed in tests/test_link_cut.py and tests/test_wan.py; the slow link's rounds
+# (fragments, per-site H with them) in the composition matrix and tests/test_slow_link.py
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN testbed needs root (network namespaces, tc)")
 def test_wan_benchmark_quick(tmp_path, kjv):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench", "wan_benchmark.py"), "--quick",

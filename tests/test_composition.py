@@ -26,7 +26,7 @@ RESUME_RE = re.compile(r"every cluster resumes at round (\d+); this cluster load
 REJOIN_RE = re.compile(r"continues from iteration (\d+) with the running clusters")
 # planned iterations per site: enough rounds for the event to land mid-run; a rejoin needs the survivor still
 # training when the restarted site is up again (its start-up takes 10-20 s on the 2-core host)
-ITERS = {"none": 24, "restart": 40, "rejoin": 240}
+ITERS = {"none": 24, "restart": 32, "rejoin": 200}
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 
 

@@ -65,6 +65,8 @@ def read_complete_rows(path):
     return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n") and line.strip()]
 
 
+@pytest.mark.slow  # CI: adaptive H on a slower link in the core tier (tests/test_slow_link.py, delayed all-gathers;
+# tests/test_plan.py, the rule), the WAN testbed in tests/test_link_cut.py
 def test_degraded_link_h_rises_exposure_bounded_h_returns(wan, kjv, tmp_path):
     metrics = [tmp_path / f"metrics_c{c}.jsonl" for c in range(2)]
     dilocox = ["--dilocox-h", str(H_MIN), "--dilocox-h-min", str(H_MIN), "--dilocox-h-max", str(H_MAX),

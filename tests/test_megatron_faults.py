@@ -44,6 +44,8 @@ def test_stop_policy_saves_a_checkpoint_and_exits_non_zero_naming_the_lost_clust
     assert stopped_at < 40
 
 
+@pytest.mark.slow  # CI: the composition matrix's rejoin rows (a site SIGKILLed and restarted, real Megatron) and
+# tests/test_link_cut.py (a site cut off and rejoining)
 def test_chaos_quick_kill_and_rejoin_loses_nothing_on_the_survivors(kjv, tmp_path):
     """One SIGKILL of cluster 1 mid-run, restart, rejoin (scripts/chaos/chaos.py --quick)."""
     data = tmp_path / "kjv"

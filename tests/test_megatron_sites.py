@@ -173,6 +173,7 @@ def test_different_models_are_refused_naming_the_difference(corpus, tmp_path):
         assert not any(log.losses for log in logs), k
 
 
+@pytest.mark.slow  # CI: the composition matrix's canonical restart (site 1 back on one process instead of two)
 def test_a_site_killed_mid_round_resumes_with_another_process_count(corpus, tmp_path):
     """Site 1 (TP1 PP2, two processes) is SIGKILLed mid-round; site 0 stops under the stop policy. Both restart
     from their checkpoints, site 1 now as TP1 PP1 (one process: its torch_dist checkpoint is resharded, and the
@@ -313,6 +314,8 @@ EXIT_RE = re.compile(r"--exit-duration-in-mins is up: every site saves and exits
                      r"iteration (\d+)\)")
 
 
+@pytest.mark.slow  # (two jobs of over a minute each) CI: the request to end in the header, every site at the same
+# boundary (tests/test_sites.py::test_a_request_to_end_stops_every_site_at_the_same_boundary)
 def test_exit_duration_stops_every_site_after_the_same_round(corpus, tmp_path):
     """--exit-duration-in-mins 1 on two sites with the defaults (per-site H) and a run far longer than a minute:
     Megatron's own check would stop each site at its own iteration, at another round than the other (whose next

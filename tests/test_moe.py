@@ -189,7 +189,9 @@ def test_sigkill_and_restart_resume_bitwise(reference, kjv, tmp_path):
 # The dense one is slow: the distributed optimizer's torch_dist resume is pinned on the dense GPT in CI by
 # tests/test_megatron_cpu.py (10 iterations straight equal 5 + 5) and tests/test_resume.py; MoE's sharded experts
 # only here.
-@pytest.mark.parametrize("reference", [pytest.param("dense_107b", marks=pytest.mark.slow), "moe"], indirect=True)
+# (slow, both: CI restarts an MoE run in the composition matrix, and tests/test_resume.py checks a restart bitwise)
+@pytest.mark.parametrize("reference", [pytest.param("dense_107b", marks=pytest.mark.slow),
+                                       pytest.param("moe", marks=pytest.mark.slow)], indirect=True)
 def test_restart_from_the_references_checkpoint_resumes_bitwise(reference, kjv, tmp_path):
     """The dense GQA/SwiGLU/RMSNorm/untied bf16 dist-opt GPT, and the MoE one (EP2, experts sharded by the
     distributed optimizer): the reference saved at 4 (round 1 in flight) and 8.
