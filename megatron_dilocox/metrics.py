@@ -31,3 +31,14 @@ class MetricsWriter:
 def read_rows(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def hashes_by_landed(rows) -> dict:
+    """{the (round, fragment)s landed so far: the global-model hash then}, over rows in landing order. Sites whose
+    fragments land in orders of their own (per-site H) hold the same model once they have landed the same rounds
+    of every fragment (fragments are disjoint parameters), not row by row: compare them on these keys."""
+    landed, out = set(), {}
+    for r in rows:
+        landed.add((r["round"], r.get("fragment", 0)))
+        out[frozenset(landed)] = r["global_model_hash"]
+    return out

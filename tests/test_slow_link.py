@@ -14,7 +14,7 @@ from megatron_dilocox.compression.auth import TAG_BYTES
 from megatron_dilocox.compression.codec import HEADER_BYTES
 from megatron_dilocox.compression.quantize import payload_bytes
 from megatron_dilocox.config import DiLoCoXConfig
-from megatron_dilocox.metrics import read_rows
+from megatron_dilocox.metrics import hashes_by_landed, read_rows
 from megatron_dilocox.outer import plan
 from megatron_dilocox.outer.auto import SlowLinkSync, fragments_config, make_sync
 from megatron_dilocox.outer.link import LinkRate
@@ -228,7 +228,11 @@ def test_per_site_h_on_a_slow_link_switches_every_site_together_and_ends_at_the_
     rows = [sorted(read_rows(tmp_path / f"metrics_c{c}.jsonl"), key=lambda r: (r["round"], r["fragment"]))
             for c in range(C)]
     assert [(r["fragment"], r["round"]) for r in rows[0]] == [(r["fragment"], r["round"]) for r in rows[1]]
-    assert [r["global_model_hash"] for r in rows[0]] == [r["global_model_hash"] for r in rows[1]]
+    # the same model wherever both sites have landed the same rounds of every fragment (the order of landings is
+    # each site's own), the last included
+    by = [hashes_by_landed(read_rows(tmp_path / f"metrics_c{c}.jsonl")) for c in range(C)]
+    common = set(by[0]) & set(by[1])
+    assert max(map(len, common)) == len(rows[0]) and all(by[0][k] == by[1][k] for k in common), (by, common)
     assert all(r["status"] == "applied" for rs in rows for r in rs)
     switched = [i for i, r in enumerate(rows[0]) if r["fragment"] == 1]
     assert switched, [(r["fragment"], r["round"], r["H"], r["launched_at"]) for r in rows[0]]
@@ -240,5 +244,6 @@ def test_per_site_h_on_a_slow_link_switches_every_site_together_and_ends_at_the_
     tokens = lambda frag, since=0: sum(r["tokens"] for rs in rows for r in rs  # noqa: E731
                                        if r["fragment"] == frag and r["round"] >= since)
     last = sum(rs[-2]["tokens"] for rs in rows)
-    assert 2 * steps <= tokens(0) <= 2 * steps + last, (tokens(0), last)
+    assert 2 * steps - last / 2 <= tokens(0) <= 2 * steps + last, (tokens(0), last)  # (the clock ends within half
+    # a round of the total: outer/clock.py)
     assert tokens(1) == tokens(0, since=rows[0][switched[0]]["round"])
