@@ -77,7 +77,7 @@ def disagreements():
     from megatron_dilocox.harness.spawn import run_clusters
     mp = pytest.MonkeyPatch()
     version = megatron_dilocox.__version__
-    core = megatron.core.__version__
+    core = megatron.core.__version__.split("+")[0]  # (seam.fingerprint leaves out the local part: a checkout's hash)
     fp_dilocox = _fingerprints(mp, dilocox1=dict(h=8))
     cases = {
         "layout": (_fingerprints(mp, args1=dict(pipeline_model_parallel_size=1)),
@@ -93,11 +93,11 @@ def disagreements():
                        "outer_lr_warmup_iters: cluster 0 has 200, cluster 1 has 100"),
         "package-version": (_fingerprints(mp, version1=version + "+other"),
                             f"megatron_dilocox: cluster 0 has '{version}', cluster 1 has '{version}+other'"),
-        "megatron-core-version": (None, f"megatron_core: cluster 0 has '{core}', cluster 1 has '{core}+other'"),
+        "megatron-core-version": (None, f"megatron_core: cluster 0 has '{core}', cluster 1 has '{core}.post1'"),
         "same": (_fingerprints(mp), None),  # control: the same settings join (last: its group stays up)
     }
     fp = _fingerprints(mp)
-    fp[1] = dict(fp[1], megatron_core=core + "+other")  # as seam.fingerprint reads megatron.core.__version__
+    fp[1] = dict(fp[1], megatron_core=core + ".post1")  # as seam.fingerprint reads megatron.core.__version__
     cases["megatron-core-version"] = (fp, cases["megatron-core-version"][1])
     mp.undo()
     secret = "join-" + secrets.token_hex(8)
