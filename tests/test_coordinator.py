@@ -132,7 +132,7 @@ def test_two_coordinators_for_one_run_are_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ faults
-@pytest.mark.parametrize("overlap", ["none", "eager"])
+@pytest.mark.parametrize("overlap", [pytest.param("none", marks=pytest.mark.slow), "eager"])  # (CI: the default)
 def test_cluster_0_killed_mid_round_the_others_continue_and_it_rejoins(tmp_path, overlap):
     address = f"127.0.0.1:{free_port()}"
     coord = CoordinatorProcess(address, SECRET, str(tmp_path / "coord.log"))
