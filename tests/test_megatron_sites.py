@@ -212,6 +212,7 @@ def learning_rates(log) -> dict:
     return {int(m.group(1)): float(m.group(2)) for m in map(LR_RE.search, log.lines) if m}
 
 
+@pytest.mark.slow  # CI: per-site H with a site at half a core in the crash test below and the composition matrix
 @pytest.mark.skipif(throttle.unavailable() is not None, reason=f"cgroup cpu quota: {throttle.unavailable()}")
 def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
     """Site 1's processes in a cgroup at half a core's CPU quota, site 0 unthrottled, per-site H by default (no
