@@ -21,11 +21,11 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="only report whether the page is current")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "scripts"))
     from megatron_dilocox.harness.matrix import render
+    from update_flag_table import render as into_region  # (the same marker-delimited region)
     text = DOC.read_text()
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{render()}\n{END}{tail}"
+    new = into_region(text, render(), BEGIN, END)
     if new == text:
         return 0
     if a.check:

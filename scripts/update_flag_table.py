@@ -16,13 +16,14 @@ DOC = ROOT / "docs" / "configuration.md"
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 
 
-def render(text: str, table: str) -> str:
-    """``text`` with the region between the markers replaced by ``table`` (ValueError without markers)."""
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"the file needs exactly one {BEGIN} line followed by one {END} line")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+def render(text: str, table: str, begin: str = BEGIN, end: str = END) -> str:
+    """``text`` with the region between the markers replaced by ``table`` (ValueError without markers); also
+    scripts/composition_matrix.py's, with its own markers."""
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"the file needs exactly one {begin} line followed by one {end} line")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{table}\n{end}{tail}"
 
 
 def main(argv=None) -> int:
