@@ -3,7 +3,8 @@ run together, in one of a few real-Megatron runs of the tiny GPT, two sites, the
 
 Each run passes when: every process exits 0 (after the event's restart), every round (and fragment) carries the
 same global-model hash on both sites, every round is applied, and the event was survived: a restart resumes both
-sites at the same round (``every cluster resumes at round R``) and trains on (in the canonical layout site 1
+sites at the same round (``every cluster resumes at round R``), the newest both saved, each loading its own
+iteration of it, and trains on with every round applied once (in the canonical layout site 1
 comes back on one process instead of two); a lost site is admitted again and
 from then on holds the survivor's global model. Rows with a site at half a core need the cgroup CPU quota (root)
 and are skipped, saying so, where it cannot be set.
@@ -27,7 +28,7 @@ RESUME_RE = re.compile(r"every cluster resumes at round (\d+); this cluster load
 REJOIN_RE = re.compile(r"continues from iteration (\d+) with the running clusters")
 # planned iterations per site: enough rounds for the event to land mid-run; a rejoin needs the survivor still
 # training when the restarted site is up again (its start-up takes 10-20 s on the 2-core host)
-ITERS = {"none": 24, "restart": 32, "rejoin": 200}
+ITERS = {"none": 24, "restart": 32, "rejoin": 80}
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 
 
@@ -82,6 +83,7 @@ def run_row(row: dict, corpus: str, tmp_path, slow_prefix):
             for c in range(2):
                 cl.kill(c, signal.SIGKILL)
             cl.wait(60)
+            places = [saved(c) for c in range(2)]  # {iteration: (round, ...)} each site saved before the kill
             seen = [len(metrics_rows(tmp_path, c)) for c in range(2)]
             # the canonical layout lets a site come back with another process count: site 1 as TP1 PP1
             args = {k: v for k, v in args.items() if k not in ("per_cluster_args", "nproc_by_cluster")}
@@ -89,8 +91,21 @@ def run_row(row: dict, corpus: str, tmp_path, slow_prefix):
             assert codes == [0, 0], failure_report(logs)
             resumed = [RESUME_RE.search("\n".join(log.lines)) for log in logs]
             assert all(resumed) and resumed[0].group(1) == resumed[1].group(1), failure_report(logs)
+            # saves land on the run's marks: the round both resume at is the newest saved on both, and each
+            # site loads its own iteration of it (under per-site rounds, other iterations on each site)
+            rounds = [{r for r, _ in p.values()} for p in places]
+            at = int(resumed[0].group(1))
+            assert at == max(rounds[0] & rounds[1]), (resumed, places)
+            for c, m in enumerate(resumed):
+                assert places[c][int(m.group(2))][0] == at, (c, m.group(0), places[c])
             mine, theirs = hashes(tmp_path, 0, seen[0]), hashes(tmp_path, 1, seen[1])
             agree(mine, theirs)
+            # every round once: those before the agreed one from the first run, the rest from the second
+            for c in range(2):
+                rows = metrics_rows(tmp_path, c)
+                start = rows[seen[c]]["round"]
+                done = [r["round"] for r in rows[:seen[c]] if r["round"] < start] + [r["round"] for r in rows[seen[c]:]]
+                assert sorted(set(done)) == list(range(1, max(done) + 1)), (c, done)
             return f"resumed at round {resumed[0].group(1)}, {len(mine)} rounds after"
         # rejoin: site 1 lost mid-run (all of its processes), restarted; the survivor trains on
         assert cl.logs[1].wait_for(lambda log: log.last_iteration >= 8, 300), failure_report(cl.logs)

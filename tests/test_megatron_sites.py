@@ -212,7 +212,7 @@ def learning_rates(log) -> dict:
     return {int(m.group(1)): float(m.group(2)) for m in map(LR_RE.search, log.lines) if m}
 
 
-@pytest.mark.slow  # CI: per-site H with a site at half a core in the crash test below and the composition matrix
+@pytest.mark.slow  # CI: per-site H with a site at half a core in the composition matrix (docs/composition.md)
 @pytest.mark.skipif(throttle.unavailable() is not None, reason=f"cgroup cpu quota: {throttle.unavailable()}")
 def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
     """Site 1's processes in a cgroup at half a core's CPU quota, site 0 unthrottled, per-site H by default (no
@@ -255,6 +255,9 @@ def test_per_site_h_with_a_site_at_half_a_core(corpus, tmp_path):
 RESUME_RE = re.compile(r"every cluster resumes at round (\d+); this cluster loads iteration (\d+)")
 
 
+@pytest.mark.slow  # CI: the composition matrix's restart rows, one with per-site rounds (and a two-process site),
+# one with a site at half a core, each checking the round both resume at, the iteration each loads and every round
+# once (docs/composition.md); this run puts the three in one
 @pytest.mark.skipif(throttle.unavailable() is not None, reason=f"cgroup cpu quota: {throttle.unavailable()}")
 def test_a_crash_with_the_defaults_resumes_every_site_at_the_same_round(corpus, tmp_path):
     """The defaults (per-site H, adaptive H and τ, the link budget) plus --save/--load every 4 planned iterations;
