@@ -10,6 +10,7 @@ network namespace behind a tbf-shaped link (scripts/wan/wan.py). Methods:
   diloco       --dilocox-overlap none, no compression (OpenDiLoCo / prime behaviour)
   diloco_comp  --dilocox-overlap none, low-rank + int4 (compression without overlap)
   dilocox      one-step delay + adaptive rank and H (the product's default)
+  NAME         --variant NAME=FLAGS: the dilocox method plus FLAGS (e.g. lockstep='--dilocox-no-per-site-h')
 
 Link rate: by default it is set so that a dense fp32 all-reduce of this model takes --paper-ratio times
 one inner step (the ratio the cost model gives for 107B over 1 Gbps, `python -m megatron_dilocox.sim
@@ -149,6 +150,10 @@ def main():
     ap.add_argument("--allreduce-steps", type=int, default=None, help="AllReduce steps timed on the shaped link")
     ap.add_argument("--skip", default="", help="comma-separated methods not to run, of diloco,diloco_comp (uncompressed "
                                                "DiLoCo needs ~110 s per round at ratio 325: long runs skip it)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more DiLoCoX method, the dilocox method's flags plus FLAGS, run in the same invocation "
+                         "(so that its ratios are against the same baselines), e.g. "
+                         "lockstep='--dilocox-no-per-site-h'; repeatable")
     ap.add_argument("--dilocox-extra", default="", help="more flags for the dilocox method, e.g. "
                                                          "'--dilocox-fragments 4 --dilocox-overlap one-step-delay'")
     ap.add_argument("--corpus", default="kjv", choices=("kjv", "pydoc"),
@@ -156,6 +161,16 @@ def main():
     ap.add_argument("--data", default=None, help="where the corpus is built (default: data/<corpus>)")
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "wan"))
     a = ap.parse_args()
+    skip = {m for m in a.skip.split(",") if m}
+    if skip - {"diloco", "diloco_comp"}:
+        ap.error(f"--skip: only diloco and diloco_comp may be skipped, got {sorted(skip)}")
+    variants = {}
+    for v in a.variant:
+        name, sep, extra = v.partition("=")
+        if not sep or not name.isidentifier() or name in variants or name in (
+                "ceiling", "probe", "allreduce", "diloco", "diloco_comp", "dilocox"):
+            ap.error(f"--variant: NAME=FLAGS with a new method name, got {v!r}")
+        variants[name] = extra.split()
     prov = provenance()  # the code that runs, taken before it runs
     iters = a.iters or (20 if a.quick else 100)
     h = a.h or (5 if a.quick else 10)
@@ -198,9 +213,7 @@ def main():
             "dilocox": ["--dilocox-h", str(h), "--dilocox-lowrank-min-dim", "64", "--dilocox-lowrank-rank", str(a.rank),
                         "--dilocox-quant-bits", "4", *a.dilocox_extra.split()],
         }
-        skip = {m for m in a.skip.split(",") if m}
-        if skip - {"diloco", "diloco_comp"}:
-            ap.error(f"--skip: only diloco and diloco_comp may be skipped, got {sorted(skip)}")
+        methods.update({name: methods["dilocox"] + extra for name, extra in variants.items()})
         for name, dl in methods.items():
             if name in skip:
                 continue
@@ -214,7 +227,9 @@ def main():
                 dense_per_round=sum(r["bytes_dense_fp32"] for r in rows) / rounds,
                 exposed_comm_seconds=sum(r["exposed_comm_seconds"] for r in rows) / 2,
                 comm_seconds=sum(r["comm_seconds"] for r in rows) / 2, rounds=rounds, wall_seconds=wall,
-                final_H=max(r["next_H"] for r in rows), final_rank=max(r["next_lowrank_rank"] for r in rows))
+                final_H=max(r["next_H"] for r in rows), final_rank=max(r["next_lowrank_rank"] for r in rows),
+                fragments=1 + max(r.get("fragment", 0) for r in rows),  # > 1: the rounds went as fragments
+                iterations=[log.last_iteration for log in logs])
             curves[name] = curve(logs[0])
             # kept before the AllReduce baseline runs: its timing over the shaped link can fail (gloo timeouts)
             print(f"# {name}: validation {results[name]['valid_loss']:.4f}, exposed "
@@ -248,7 +263,8 @@ def main():
     ar = results["allreduce"]
     print(f"\n{'method':12s} {'tok/s':>9s} {'xAR':>7s} {'xceil':>6s} {'val loss':>9s} {'gap':>7s} "
           f"{'B/round':>10s} {'B total':>11s} {'x fewer':>8s} {'exposed s':>9s} {'xceil e2e':>9s}")
-    for name in (n for n in ("allreduce", "diloco", "diloco_comp", "dilocox", "ceiling") if n in results):
+    order = ["allreduce", "diloco", "diloco_comp", "dilocox"] + [n for n in results if n not in ("allreduce", "ceiling")]
+    for name in (n for n in dict.fromkeys(order + ["ceiling"]) if n in results):
         r = results[name]
         r["ratio_vs_allreduce"] = r["tokens_per_s"] / ar["tokens_per_s"]
         r["ratio_vs_ceiling"] = r["tokens_per_s"] / results["ceiling"]["tokens_per_s"]
