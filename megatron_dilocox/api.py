@@ -74,11 +74,12 @@ class DiLoCoX:
         intra = self._intra or (TorchDistCluster() if in_world else SingleRank())
         group = self._group
         if group is None and self.config.num_clusters > 1:
-            from megatron_dilocox.net.topology import InterClusterGroup, connect_store
+            from megatron_dilocox.net.topology import PLATFORM, InterClusterGroup, connect_store, platform_of
             host = self._host_store if self._host_store is not None else (self.config.cluster_id == 0 and local_rank == 0)
             world = dist.get_world_size() if in_world else 1
             group = InterClusterGroup(self.config, local_rank, connect_store(self.config, host),
-                                      fingerprint={"shapes": [list(p.shape) for p in self.params]}, local_world=world)
+                                      fingerprint={"shapes": [list(p.shape) for p in self.params],
+                                                   PLATFORM: platform_of(self.params[0].device)}, local_world=world)
         metrics = MetricsWriter(self.config.metrics_file if intra.is_writer else None)
         self.sync = make_sync([p.data for p in self.params], self.config, group, intra, metrics,
                                 train_iters=self.train_iters).start()

@@ -259,12 +259,13 @@ def _leave_together():
         dist.destroy_process_group()
 
 
-def dilocox_main():
-    """The DiLoCoX entry: every Megatron GPT flag plus the --dilocox-* flags (plain Megatron without --dilocox)."""
+def dilocox_main(install_hooks=None):
+    """The DiLoCoX entry: every Megatron GPT flag plus the --dilocox-* flags (plain Megatron without --dilocox).
+    ``install_hooks``: the explicit-hook entry's (glue/explicit.py) in place of the runtime seam's."""
     from megatron_dilocox.arguments import add_dilocox_args
     from megatron_dilocox.glue.seam import current_optimizer, install_from_args
     try:
-        main(extra_args_provider=add_dilocox_args, install_hooks=install_from_args)
+        main(extra_args_provider=add_dilocox_args, install_hooks=install_hooks or install_from_args)
     except SystemExit:  # Megatron's early exit: non-zero when DiLoCoX stopped the run
         optimizer = current_optimizer()
         if optimizer is not None and optimizer.sync.stopped:

@@ -100,12 +100,23 @@ def run_row(row: dict, corpus: str, tmp_path, slow_prefix):
                 assert places[c][int(m.group(2))][0] == at, (c, m.group(0), places[c])
             mine, theirs = hashes(tmp_path, 0, seen[0]), hashes(tmp_path, 1, seen[1])
             agree(mine, theirs)
-            # every round once: those before the agreed one from the first run, the rest from the second
+            # every round (and fragment) once: those before the second run's first from the first run (the one in
+            # flight at the agreed round's checkpoint is applied again after it), the rest from the second; and the
+            # run trained its planned total once (2 sites x ITERS x 8 samples x 128 tokens), within a round
+            totals, lasts = [], []
             for c in range(2):
                 rows = metrics_rows(tmp_path, c)
                 start = rows[seen[c]]["round"]
-                done = [r["round"] for r in rows[:seen[c]] if r["round"] < start] + [r["round"] for r in rows[seen[c]:]]
-                assert sorted(set(done)) == list(range(1, max(done) + 1)), (c, done)
+                assert start in (at, at + 1), (c, start, at)
+                kept = [r for r in rows[:seen[c]] if r["round"] < start] + rows[seen[c]:]
+                keys = [(r["round"], r.get("fragment", 0)) for r in kept]
+                assert len(keys) == len(set(keys)) and sorted({k[0] for k in keys}) == \
+                    list(range(1, max(keys)[0] + 1)), (c, keys)
+                whole = [r for r in kept if r.get("fragment", 0) == 0]  # (each fragment's rows carry every step)
+                totals.append(sum(r["tokens"] for r in whole))
+                lasts.append(whole[-1]["tokens"])
+            budget = 2 * ITERS["restart"] * 8 * 128
+            assert budget - max(lasts) <= sum(totals) <= budget + sum(lasts), (totals, budget, lasts)
             return f"resumed at round {resumed[0].group(1)}, {len(mine)} rounds after"
         # rejoin: site 1 lost mid-run (all of its processes), restarted; the survivor trains on
         assert cl.logs[1].wait_for(lambda log: log.last_iteration >= 8, 300), failure_report(cl.logs)

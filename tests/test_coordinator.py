@@ -16,7 +16,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.harness.spawn import free_port, run_clusters
-from megatron_dilocox.net.membership import Membership
+from megatron_dilocox.net.membership import Membership, open_verdict, signed_vote
 from megatron_dilocox.net.rendezvous import PREFIX, RendezvousError, authenticate
 from megatron_dilocox.net.topology import InterClusterGroup, connect_store
 from tests.coord_util import CoordinatorProcess
@@ -240,12 +240,12 @@ def test_a_restarted_coordinator_republishes_the_verdict_one_cluster_missed(tmp_
             assert authenticate(store, address, cfg(address, cluster=c), 0, 1, views[c])[1] is False
         meta = PrefixStore("dilocox/m", store)
         meta.wait(["e0/x3/verdict"], timedelta(seconds=30))
-        assert json.loads(meta.get("e0/x3/verdict")) == commit
+        assert open_verdict(SECRET, meta.get("e0/x3/verdict").decode(), "e0/x3") == commit
         for c in (0, 1):  # the next attempt is decided normally, at e0/x4
-            meta.set(f"e0/x4/vote/{c}/0", "ok")
+            meta.set(f"e0/x4/vote/{c}/0", signed_vote(SECRET, "e0/x4", c, 0, "ok"))
             meta.add(f"e0/x4/votes/{c}", 1)
         meta.wait(["e0/x4/verdict"], timedelta(seconds=30))
-        assert json.loads(meta.get("e0/x4/verdict"))["action"] == "commit"
+        assert open_verdict(SECRET, meta.get("e0/x4/verdict").decode(), "e0/x4")["action"] == "commit"
         assert not meta.check(["e0/x5/verdict"])
         assert "verdict e0/x3 (commit) published again; next: epoch 0, attempt 4" in coord.text()
     finally:
@@ -324,7 +324,7 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
         authenticate(connect_store(c0, host_store=False), address, c0, 0, 1, view0)  # the run is in progress
         store1 = connect_store(c1, host_store=False)
         assert authenticate(store1, address, c1, 0, 1, None)[1] is True
-        joiner = Membership(store1, 1, 0, 1, 2, TIMEOUT, "continue", lambda *_: None)
+        joiner = Membership(store1, 1, 0, 1, 2, TIMEOUT, "continue", lambda *_: None, SECRET)
         joiner.embedded, joiner.reconnect = False, reconnect
         got = {}
         waiter = threading.Thread(target=lambda: got.update(verdict=joiner.wait_for_admission()), daemon=True)
@@ -348,10 +348,10 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
         while meta.add("join/1", 0) < 1 and time.monotonic() < deadline:  # the joiner asked the new one
             time.sleep(0.02)
         assert meta.add("join/1", 0) == 1
-        meta.set("e1/x0/vote/0/0", "ok")
+        meta.set("e1/x0/vote/0/0", signed_vote(SECRET, "e1/x0", 0, 0, "ok"))
         meta.add("e1/x0/votes/0", 1)
         meta.wait(["e1/x0/verdict"], timedelta(seconds=30))
-        admission = json.loads(meta.get("e1/x0/verdict"))
+        admission = open_verdict(SECRET, meta.get("e1/x0/verdict").decode(), "e1/x0")
         assert admission == {"action": "commit", "members": [0, 1], "epoch": 2, "lost": [], "admitted": [1],
                              "reason": ""}
         waiter.join(30)
@@ -367,7 +367,7 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
                                                   "last": ["e1/x0", admission], "pending": None})
         meta = PrefixStore("dilocox/m", store0)
         meta.wait(["admit/1/1"], timedelta(seconds=30))
-        assert json.loads(meta.get("admit/1/1")) == admission
+        assert open_verdict(SECRET, meta.get("admit/1/1").decode(), "admit/1/1") == admission
     finally:
         for c in coords:
             c.stop()

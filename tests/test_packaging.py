@@ -226,6 +226,17 @@ def test_wrap_optimizer_is_a_no_op_without_dilocox_and_never_wraps_twice():
     assert wrap_optimizer(wrapped, SimpleNamespace(dilocox=True)) is wrapped
 
 
+@pytest.mark.unit
+def test_the_hook_reached_without_an_entry_that_planned_the_run_stops_saying_what_to_call(monkeypatch):
+    """The rounds, the run's clock and the data are planned before Megatron builds its scheduler, by the entry:
+    a fork's own entry that skipped that would train on other rules than the runtime seam's, so the hook stops."""
+    from megatron_dilocox.glue import seam
+    from megatron_dilocox.glue.explicit import wrap_optimizer
+    monkeypatch.setattr(seam, "_installed", {})
+    with pytest.raises(SystemExit, match=r"megatron_dilocox\.glue\.explicit\.set_up\(args\)"):
+        wrap_optimizer(object(), SimpleNamespace(dilocox=True))
+
+
 # ------------------------------------------------------------------------------------ real runs
 ITERS, H = 8, 4
 
@@ -262,7 +273,7 @@ def launch(module, flags, dilocox, pythonpath=None, clusters=2, timeout=300):
 
 @pytest.mark.megatron
 def test_explicit_hook_trains_exactly_like_the_runtime_seam(corpus, patched_megatron, tmp_path):
-    flags = tiny_flags(corpus)
+    flags = tiny_flags(corpus) + ["--eval-interval", "2"]  # (evaluations mid-round: θ differs from φ there)
     seam_dir, explicit_dir = tmp_path / "seam", tmp_path / "explicit"
     seam_dir.mkdir()
     explicit_dir.mkdir()
@@ -282,7 +293,20 @@ def test_explicit_hook_trains_exactly_like_the_runtime_seam(corpus, patched_mega
         rows_explicit = read_rows(f"{explicit_dir}/metrics_c{c}.jsonl")
         assert [r["round"] for r in rows_explicit] == list(range(1, ITERS // H + 1))
         assert [r["global_model_hash"] for r in rows_explicit] == [r["global_model_hash"] for r in rows_seam]
+        # the same evaluation: of the global model, on the same samples (the seam's evaluate hook is installed)
+        assert explicit[c].valid_losses == seam[c].valid_losses and explicit[c].valid_losses, c
     assert len({r["global_model_hash"] for r in rows_explicit}) == ITERS // H
+    # and the same defaults: per-site rounds (the run's clock), every round agreed
+    defaults = tmp_path / "defaults"
+    defaults.mkdir()
+    codes, logs = launch("megatron_dilocox.glue.explicit", flags,
+                         ["--dilocox-h", str(H), "--dilocox-metrics-file", f"{defaults}/metrics_c{{cluster}}.jsonl"],
+                         pythonpath=patched_megatron)
+    assert codes == [0, 0], failure_report(logs)
+    assert all(any("DiLoCoX rounds: per-site H" in line for line in log.lines) for log in logs), failure_report(logs)
+    rows = [read_rows(f"{defaults}/metrics_c{c}.jsonl") for c in range(2)]
+    assert rows[0] and [(r["round"], r["global_model_hash"]) for r in rows[0]] == \
+        [(r["round"], r["global_model_hash"]) for r in rows[1]]
 
 
 @pytest.mark.megatron

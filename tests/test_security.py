@@ -301,3 +301,61 @@ def test_store_reachable_attacker_without_the_secret_cannot_enter_the_group():
     assert not [r for r in reports if r[0] == "attacker" and r[1] == "in the group"], reports
     host_gathered = [r[3] for r in reports if r[0] == 0 and r[2] == "joined"]
     assert not [g for g in host_gathered if 666.0 in g], reports  # cluster 0 never took the attacker's payload
+
+
+# ------------------------------------------------------------------------------------------------------
+# Votes and verdicts: a store writer without the secret cannot make a member apply a round (net/membership.py)
+
+def _members(policy="stop"):
+    """A real store; the coordinator's Membership (cluster 0) and cluster 1's, both with the run's secret."""
+    from torch.distributed import TCPStore
+
+    from megatron_dilocox.net.membership import Membership
+    store = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    return store, [Membership(store, c, 0, 1, 2, 5.0, policy, lambda *_: None, "run-secret") for c in (0, 1)]
+
+
+@pytest.mark.unit
+def test_a_vote_without_the_runs_tag_counts_as_that_members_loss():
+    """Cluster 1's vote replaced in the store by a plain "ok" (no tag): the coordinator does not count it; under
+    stop the round stops naming cluster 1, under continue the others go on without it."""
+    from megatron_dilocox.net.membership import signed_vote
+    for policy, action in (("stop", "stop"), ("continue", "retry")):
+        _, (coord, _) = _members(policy)
+        key = "e0/x0"
+        coord.meta.set(f"{key}/vote/0/0", signed_vote("run-secret", key, 0, 0, "ok"))
+        coord.meta.set(f"{key}/vote/1/0", "ok")  # the writer's
+        verdict = coord.verdict(key, [])
+        assert verdict["action"] == action and verdict["lost"] == [1], verdict
+        assert "cluster(s) 1 sent payloads or votes whose authentication tags do not verify" in verdict["reason"]
+        # a tagged vote for another attempt, cluster or rank does not verify either
+        for forged in (signed_vote("run-secret", "e0/x1", 1, 0, "ok"), signed_vote("run-secret", key, 0, 0, "ok"),
+                       signed_vote("other-secret", key, 1, 0, "ok")):
+            coord.meta.set(f"{key}/vote/1/0", forged)
+            assert coord.verdict(key, [])["lost"] == [1]
+        coord.meta.set(f"{key}/vote/1/0", signed_vote("run-secret", key, 1, 0, "ok"))
+        assert coord.verdict(key, [])["action"] == "commit"
+
+
+@pytest.mark.unit
+def test_a_verdict_without_the_runs_tag_stops_the_member_and_a_commit_it_did_not_vote_for_too():
+    """What a member reads: a plain verdict, one sealed with another secret, one replayed from another attempt,
+    an admission from another key: each raises ForgedVerdict (the round stops, nothing applied). And a commit on an
+    attempt this member voted "fail" on (its vote replaced by a replayed valid "ok") stops it too."""
+    import json
+
+    from megatron_dilocox.net.membership import ForgedVerdict, PeerLostError, open_verdict, seal_verdict
+    commit = {"action": "commit", "members": [0, 1], "epoch": 0, "lost": [], "admitted": [], "reason": ""}
+    assert open_verdict("run-secret", seal_verdict("run-secret", "e0/x3", commit), "e0/x3") == commit
+    for text, key in ((json.dumps(commit), "e0/x3"), (seal_verdict("other-secret", "e0/x3", commit), "e0/x3"),
+                      (seal_verdict("run-secret", "e0/x2", commit), "e0/x3"),
+                      (seal_verdict("run-secret", "admit/1/1", commit), "admit/1/2"), ("garbage", None)):
+        with pytest.raises(ForgedVerdict, match="does not carry the run's tag"):
+            open_verdict("run-secret", text, key)
+    assert issubclass(ForgedVerdict, PeerLostError)  # (the round's owner stops on it: outer/sync.py)
+    _, (_, member) = _members()
+    member.meta.set("e0/x0/verdict", seal_verdict("run-secret", "e0/x0", commit))  # posted before its vote
+    with pytest.raises(ForgedVerdict, match="committed although this cluster's attempt was not ok \\(fail\\)"):
+        member.settle(1, "fail", time.monotonic())
+    member.meta.set("e0/x1/verdict", seal_verdict("run-secret", "e0/x1", commit))
+    assert member.settle(2, "ok", time.monotonic()) == commit

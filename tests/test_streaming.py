@@ -1,10 +1,12 @@
 """Streaming DiLoCo fragments (outer/streaming.py) in one process (C=1): the split, the schedule, an
 independent reference of the outer steps, reduction to plain training, resume, refusals."""
 import copy
+import time
 
 import pytest
 import torch
 
+from megatron_dilocox.compression.collective import SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.streaming import StreamingSync, split_fragments
@@ -181,3 +183,32 @@ def test_fragments_answer_everything_the_megatron_glue_asks_of_the_round_logic()
                                                                                 overlap="one-step-delay"))
     missing = [name for name in used if not (hasattr(type(sync), name) or name in vars(sync))]  # (not started)
     assert not missing, missing
+
+
+class _SlowSolo(SoloCollective):
+    """A group of one whose every all-gather takes 0.25 s (a slow link's transfer)."""
+
+    def _all_gather(self, buf):
+        time.sleep(0.25)
+        return [buf]
+
+
+def test_a_late_landing_is_not_counted_in_any_fragments_step_time():
+    """Each fragment's transfer takes 0.25 s and lands one step (about 0.03 s) after it leaves, so every landing
+    waits. The step time each fragment measures (what adaptive and per-site H plan from) stays the inner step's:
+    before, a fragment's hook left the later fragments' waits in its next step time, and a site that waited looked
+    slower to per-site H, which gave it fewer steps (and more waiting)."""
+    model = make_model(0)
+    opt = make_inner(model, "adam", 0.01)
+    cfg = DiLoCoXConfig(h=8, fragments=4, overlap="one-step-delay", adaptive_h=False, lowrank=False,
+                        quant_bits=4, overlap_steps=1)
+    sync = StreamingSync([p.data for p in model.parameters()], cfg, group=_SlowSolo()).start()
+    for step in range(24):
+        inner_step(model, opt, step)
+        time.sleep(0.03)
+        sync.after_inner_step()
+    waited = sum(r["exposed_comm_seconds"] for r in sync.rows)
+    assert waited > 1.0, waited  # the landings did wait (0.25 s transfers, one 0.03 s step to hide in)
+    # an EMA (weight 0.2) that took a 0.2 s wait at every landing (every other step) would stay above 0.1 s
+    assert max(f.step_seconds for f in sync.fragments) < 0.08, [f.step_seconds for f in sync.fragments]
+    sync.close()

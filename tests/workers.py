@@ -189,7 +189,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     Fault tests: ``die`` = {"slot", "step"} SIGKILLs that slot's processes before that step;
     ``as_cluster`` = {slot: cluster} starts a slot as another cluster's restart (after ``start_delay``).
     ``tokens_by_cluster`` = {cluster: tokens per step} (the round's weight); ``corrupt`` = {"cluster", "round"}
-    adds 1 to one element of that cluster's global model once that round has been applied."""
+    adds 1 to one element of that cluster's global model once that round has been applied ("every": True: after
+    every round from then on, as arithmetic that differs every round would)."""
     cluster = int(spec.get("as_cluster", {}).get(str(slot), slot))
     if spec.get("start_after_kill", {}).get(str(slot)):  # a restart: only once the killed slot is gone
         while not os.path.exists(spec["start_after_kill"][str(slot)]):
@@ -265,7 +266,10 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
                 out["params"].append([p.detach().clone() for p in model.parameters()])
             out["losses"].append(float(loss.detach()))
             out["step_times"].append(time.time())
-            if corrupt.get("cluster") == cluster and len(sync.rows) == corrupt["round"] and not out.get("corrupted"):
+            if corrupt.get("cluster") == cluster and (len(sync.rows) == corrupt["round"] and not out.get("corrupted")
+                                                      or corrupt.get("every") and out.get("corrupted")
+                                                      and len(sync.rows) > out["corrupted"]["round"]
+                                                      and not sync.stopped):
                 with torch.no_grad():
                     sync.global_params()[0].view(-1)[0] += 1.0  # e.g. an altered payload, or other hardware
                 out["corrupted"] = {"step": step, "round": len(sync.rows)}

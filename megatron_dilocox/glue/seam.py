@@ -45,7 +45,7 @@ from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
 from megatron_dilocox.outer.auto import make_sync
 from megatron_dilocox.outer.streaming import split_fragments
-from megatron_dilocox.net.topology import InterClusterGroup, connect_store
+from megatron_dilocox.net.topology import PLATFORM, InterClusterGroup, connect_store, platform_of
 
 log = logging.getLogger("megatron_dilocox")
 STATE_KEY = "dilocox"
@@ -72,6 +72,7 @@ def fingerprint(cfg: DiLoCoXConfig, args, views, canonical=None) -> dict:
     # repository's HEAD), which says nothing about Megatron's code.
     fp.update(dilocox=cfg.agreement_dict(), outer_lr_warmup_iters=cfg.resolved_outer_lr_warmup_iters(run_iters(args)),
               megatron_core=megatron.core.__version__.split("+")[0], megatron_dilocox=megatron_dilocox.__version__)
+    fp[PLATFORM] = platform_of(views[0].device if views else torch.device("cpu"))  # (logged, not compared)
     if canonical is None:
         fp["shapes"] = [list(v.shape) for v in views]
     else:
@@ -323,17 +324,16 @@ def log_row_to_megatron_writers(row: dict):
 _installed: dict = {}
 
 
-def install(cfg: DiLoCoXConfig, args):
-    """Wrap the optimizer Megatron builds from now on (idempotent)."""
+def install(cfg: DiLoCoXConfig, args, wrap_optimizer: bool = True):
+    """Wrap the optimizer Megatron builds from now on (idempotent); ``wrap_optimizer=False``: a Megatron patched
+    with the explicit hook wraps it itself (glue/explicit.py), and everything else here is installed alike."""
     import megatron.training.training as training
     if "original" not in _installed:
         _installed["original"] = training.get_megatron_optimizer
 
     def get_megatron_optimizer(*a, **kw):
         chunks = a[1] if len(a) > 1 else kw.get("model_chunks")
-        optimizer = DiLoCoXOptimizer(_installed["original"](*a, **kw), cfg, args, model_chunks=chunks)
-        _installed["optimizer"] = optimizer
-        return optimizer
+        return wrapped(_installed["original"](*a, **kw), args, model_chunks=chunks)
 
     if "setup" not in _installed:
         _installed["setup"] = training.setup_model_and_optimizer
@@ -358,18 +358,33 @@ def install(cfg: DiLoCoXConfig, args):
 
     checkpoints.install(args)
     checkpoints.track(lambda: optimizer.sync.position() if (optimizer := _installed.get("optimizer")) else None)
-    training.get_megatron_optimizer = get_megatron_optimizer
+    if wrap_optimizer:
+        training.get_megatron_optimizer = get_megatron_optimizer
     training.setup_model_and_optimizer = setup_model_and_optimizer
     training.evaluate = evaluate
+    _installed["cfg"] = cfg
     return get_megatron_optimizer
+
+
+def wrapped(inner, args, model_chunks=None) -> "DiLoCoXOptimizer":
+    """``inner`` (Megatron's optimizer) wrapped with the installed config: the one optimizer of this process."""
+    optimizer = DiLoCoXOptimizer(inner, _installed["cfg"], args, model_chunks=model_chunks)
+    _installed["optimizer"] = optimizer
+    return optimizer
+
+
+def installed_config() -> Optional[DiLoCoXConfig]:
+    """The config an entry installed the DiLoCoX hooks with in this process (install_from_args), or None."""
+    return _installed.get("cfg")
 
 
 def current_optimizer() -> Optional[DiLoCoXOptimizer]:
     return _installed.get("optimizer")
 
 
-def install_from_args(args):
-    """``install_hooks`` for the entry: validate the --dilocox-* flags, then wrap the optimizer if enabled."""
+def install_from_args(args, wrap_optimizer: bool = True):
+    """``install_hooks`` for the entry: validate the --dilocox-* flags, then, if enabled, decide the rounds
+    (per-site or lockstep), plan this site's run and install the run's clock and the hooks (``install``)."""
     from megatron_dilocox.arguments import config_from_args
     cfg = config_from_args(args)  # raises DiLoCoXConfigError before any process group exists
     if cfg is None:
@@ -386,5 +401,5 @@ def install_from_args(args):
     if cfg.per_site_h:
         per_site.plan(args)
     run_clock.install(args, cfg.num_clusters)
-    install(cfg, args)
+    install(cfg, args, wrap_optimizer=wrap_optimizer)
     return cfg

@@ -5,8 +5,9 @@ jobs would; the clusters only meet through the DiLoCoX rendezvous store. Used by
 
 Processes start from a fork server that has imported torch once (``forkserver`` with a preload), not from a
 fresh interpreter each (``spawn``): a fresh interpreter spends about 1.5 s of CPU importing torch, which the core
-tier paid for every process it started. Each process still gets the caller's environment as it is at the call
-(as ``spawn`` gives), not the fork server's.
+tier paid for every process it started. Each process's ``os.environ`` is the caller's as it is at the call (as
+``spawn`` gives), not the fork server's; what torch itself read from the environment at import (OMP_NUM_THREADS,
+TORCH_*) is the fork server's, started by the first call in the process.
 """
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ class Coordinator:
         if self.shape is None:
             self.shape = {s: shape[s] for s in SHAPE}
             self.m = Membership(self.store, -1, 0, shape["local_world"], shape["num_clusters"], shape["timeout"],
-                                shape["policy"], lambda *_: None)
+                                shape["policy"], lambda *_: None, self.secret)
             self.m.embedded, self.m.heartbeat = False, self
         wrong = [f"{s} {shape[s]!r} (the run has {self.shape[s]!r})" for s in SHAPE if shape[s] != self.shape[s]]
         if wrong or not 0 <= c < self.shape["num_clusters"]:
@@ -173,7 +173,7 @@ class Coordinator:
     def _adopt(self, key: str, verdict: dict):
         """Publish a verdict the lost coordinator gave (some rank read it) and go on after it."""
         m = self.m
-        m.meta.set(f"{key}/verdict", json.dumps(verdict))
+        m.post_verdict(key, verdict)
         m.publish_admissions(verdict)  # a joiner that missed its admission waits for it in this store
         epoch, seq = _order(key)
         if verdict["epoch"] != epoch:  # a retry or an admission: the next epoch starts at attempt 0
@@ -210,7 +210,7 @@ class Coordinator:
         if missing is None:
             return
         verdict = m.verdict(key, missing)
-        m.meta.set(f"{key}/verdict", json.dumps(verdict))
+        m.post_verdict(key, verdict)
         self.verdicts += 1
         log.warning("DiLoCoX coordinator: %s -> %s, clusters %s%s", key, verdict["action"], verdict["members"],
                     f" ({verdict['reason']})" if verdict["reason"] else "")

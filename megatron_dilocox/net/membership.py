@@ -23,6 +23,13 @@ the same verdicts from its own process; when it is lost, ``reconnect`` finds it 
 standby), each rank sends ``report()`` and repeats its pending vote, and the new one publishes the newest
 verdict any rank read once more, so every rank applies the same verdicts in the same order.
 
+Votes and verdicts are tagged (HMAC-SHA256 under the run's secret, over the attempt's key, the voter and what it
+says; ``signed_vote``, ``seal_verdict``): the store is reachable by whoever reaches its port, so the coordinator
+counts a vote only when its tag verifies (one that does not counts as that member's loss for the round, like a
+forged payload), every rank reads a verdict only when its tag verifies (one that does not stops the run: nothing
+is applied on it), and a member commits a round only when its own attempt was ok (``outer/sync.py``): a store
+writer without the secret can stall or stop a run, not make a member apply a round it did not finish.
+
 Joining mid-run (policy continue): a restarted cluster finds the run in progress, authenticates by the
 same challenge-response (the coordinator checks its proof at the next verdict), posts that all of its
 local ranks are ready, and is admitted by the next ``commit`` verdict; members and joiner then form the
@@ -31,6 +38,7 @@ next epoch's group and the round owner (``outer/sync.py``) hands the joiner the 
 from __future__ import annotations
 
 import atexit
+import hmac
 import json
 import threading
 import time
@@ -39,11 +47,52 @@ from typing import Callable, Optional, Sequence
 
 from torch.distributed import PrefixStore, TCPStore
 
+from megatron_dilocox.net.rendezvous import mac
+
 MAX_RETRIES = 3  # consecutive failed attempts with every member present before the run stops
 
 
 class PeerLostError(RuntimeError):
     """The inter-cluster group lost a member (or its coordinator) and the policy says stop."""
+
+
+class ForgedVerdict(PeerLostError):
+    """A verdict (or an admission) in the store whose tag does not verify: nothing is applied on it."""
+
+
+def signed_vote(secret: str, key: str, cluster: int, local_rank: int, outcome: str) -> str:
+    """What a rank posts as its vote on attempt ``key``: the outcome and its tag."""
+    return f"{outcome}\n{mac(secret, 'vote', key, cluster, local_rank, outcome)}"
+
+
+def opened_vote(secret: str, key: str, cluster: int, local_rank: int, text: str) -> Optional[str]:
+    """The outcome of a posted vote, or None when its tag does not verify (not this rank's vote on this key)."""
+    outcome, _, got = text.rpartition("\n")
+    return outcome if hmac.compare_digest(got, mac(secret, "vote", key, cluster, local_rank, outcome)) else None
+
+
+def seal_verdict(secret: str, key: str, verdict: dict) -> str:
+    """A verdict as posted: its fields, the attempt's key and a tag over both."""
+    body = json.dumps({**verdict, "key": key}, sort_keys=True)
+    return json.dumps({"verdict": body, "tag": mac(secret, "verdict", body)})
+
+
+def open_verdict(secret: str, text: str, key: Optional[str] = None) -> dict:
+    """The verdict posted as ``text`` (on attempt ``key``, when given), or ForgedVerdict."""
+    try:
+        posted = json.loads(text)
+        body, got = posted["verdict"], posted["tag"]
+        verdict = json.loads(body)
+        ok = hmac.compare_digest(got, mac(secret, "verdict", body)) and (key is None or verdict.get("key") == key)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ForgedVerdict(f"a verdict in the rendezvous store{f' on attempt {key}' if key else ''} does not carry "
+                            f"the run's tag (written by someone without the secret, or from another attempt): "
+                            f"nothing was applied on it; stopping. Let only your own sites reach the rendezvous "
+                            f"port (docs/security.md)")
+    del verdict["key"]
+    return verdict
 
 
 def heartbeat_after(timeout: float) -> float:
@@ -111,8 +160,9 @@ class Membership:
     """This rank's view of the member clusters, and (on cluster 0, local rank 0) the coordinator."""
 
     def __init__(self, store: TCPStore, cluster: int, local_rank: int, local_world: int, num_clusters: int,
-                 timeout: float, policy: str, verify_join: Callable[[int, int], None]):
+                 timeout: float, policy: str, verify_join: Callable[[int, int], None], secret: str):
         self.meta = PrefixStore("dilocox/m", store)  # shared by every local rank of every cluster
+        self.secret = secret  # tags votes and verdicts (the module docstring)
         self.cluster, self.local_rank, self.local_world = cluster, local_rank, local_world
         self.timeout, self.policy = timeout, policy
         self.members = list(range(num_clusters))
@@ -155,15 +205,24 @@ class Membership:
                     raise PeerLostError(f"lost the rendezvous host, cluster 0 (round {round_idx}): {exc}") from exc
                 self.use_store(self.reconnect())  # the same vote, to the restarted coordinator (or standby)
         self.pending, self.last = None, (key, verdict)
+        if verdict["action"] == "commit" and outcome != "ok":  # every member voted ok: not this one's vote
+            raise ForgedVerdict(f"round {round_idx} was committed although this cluster's attempt was not ok "
+                                f"({outcome.partition(':')[0]}): its vote in the rendezvous store was replaced; "
+                                f"nothing was applied; stopping. Let only your own sites reach the rendezvous port "
+                                f"(docs/security.md)")
         return verdict
 
     def _vote(self, key: str, outcome: str, attempt_end: float) -> dict:
-        self.meta.set(f"{key}/vote/{self.cluster}/{self.local_rank}", outcome)
+        self.meta.set(f"{key}/vote/{self.cluster}/{self.local_rank}",
+                      signed_vote(self.secret, key, self.cluster, self.local_rank, outcome))
         self.meta.add(f"{key}/votes/{self.cluster}", 1)
         if self.coordinator:
-            self.meta.set(f"{key}/verdict", json.dumps(self._decide(key, attempt_end)))
+            self.post_verdict(key, self._decide(key, attempt_end))
         self.meta.wait([f"{key}/verdict"], timedelta(seconds=3 * self.timeout))
-        return json.loads(self.meta.get(f"{key}/verdict"))
+        return open_verdict(self.secret, self.meta.get(f"{key}/verdict").decode(), key)
+
+    def post_verdict(self, key: str, verdict: dict):
+        self.meta.set(f"{key}/verdict", seal_verdict(self.secret, key, verdict))
 
     def _store_alive(self) -> bool:
         try:
@@ -195,11 +254,14 @@ class Membership:
         return None
 
     def verdict(self, key: str, missing: list[int]) -> dict:
-        votes = [self.meta.get(f"{key}/vote/{c}/{r}").decode() for c in self.members if c not in missing
-                 for r in range(self.local_world)]
+        posted = {(c, r): opened_vote(self.secret, key, c, r, self.meta.get(f"{key}/vote/{c}/{r}").decode())
+                  for c in self.members if c not in missing for r in range(self.local_world)}
+        votes = [v for v in posted.values() if v is not None]
         refused = [v for v in votes if v.startswith("refused:")]
-        # a payload whose tag did not verify (compression/auth.py): its sender is lost for this round
-        forged = sorted({int(v.split(":")[1]) for v in votes if v.startswith("forged:")} & set(self.members))
+        # a payload whose tag did not verify (compression/auth.py), or a vote whose tag does not: that member is
+        # lost for this round (nothing from it is applied)
+        forged = sorted(({int(v.split(":")[1]) for v in votes if v.startswith("forged:")}
+                         | {c for (c, _), v in posted.items() if v is None}) & set(self.members))
         missing = sorted(set(missing) | set(forged))
         verdict = {"action": "commit", "members": list(self.members), "epoch": self.epoch, "lost": missing,
                    "admitted": [], "reason": ""}
@@ -209,8 +271,8 @@ class Membership:
             silent = [c for c in missing if c not in forged]
             why = ([f"lost cluster(s) {', '.join(map(str, silent))}: no answer within "
                     f"{heartbeat_after(self.timeout):.0f}s of heartbeat silence"] if silent else []) + \
-                  ([f"cluster(s) {', '.join(map(str, forged))} sent payloads whose authentication tags do not "
-                    f"verify (altered, replayed or misrouted): nothing from them applied"] if forged else [])
+                  ([f"cluster(s) {', '.join(map(str, forged))} sent payloads or votes whose authentication tags "
+                    f"do not verify (altered, replayed or misrouted): nothing from them applied"] if forged else [])
             verdict.update(action="stop" if self.policy == "stop" else "retry",
                            members=[c for c in self.members if c not in missing], epoch=self.epoch + 1,
                            reason="; ".join(why))
@@ -232,7 +294,7 @@ class Membership:
         for c in verdict["admitted"]:
             n = self.meta.add(f"admissions/{c}", 1)
             self.meta.delete_key(f"join/{c}")
-            self.meta.set(f"admit/{c}/{n}", json.dumps(verdict))
+            self.meta.set(f"admit/{c}/{n}", seal_verdict(self.secret, f"admit/{c}/{n}", verdict))
 
     def _silent(self, cluster: int) -> bool:
         """True once ``cluster``'s heartbeat has not moved for heartbeat_after(timeout) seconds."""
@@ -284,6 +346,7 @@ class Membership:
                 self.use_store(self.reconnect())  # report() says "joining": the new one treats it so
                 n = 0
         self.joining = False
-        verdict = json.loads(self.meta.get(f"admit/{self.cluster}/{n + 1}"))
+        key = f"admit/{self.cluster}/{n + 1}"
+        verdict = open_verdict(self.secret, self.meta.get(key).decode(), key)
         self.apply(verdict)
         return verdict

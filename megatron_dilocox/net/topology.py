@@ -34,6 +34,17 @@ from megatron_dilocox.net.membership import Heartbeat, Membership, PeerLostError
 from megatron_dilocox.net.rendezvous import CONNECT_GRACE, RendezvousError, authenticate, find_coordinator, listening
 from megatron_dilocox.net.rendezvous import mac as _mac
 
+PLATFORM = "platform"  # the fingerprint's key that is logged where the sites differ, not compared
+
+
+def platform_of(device: torch.device) -> str:
+    """What a site's arithmetic runs on (its fingerprint's PLATFORM): torch, CUDA and the device, or the CPU's
+    threads."""
+    if device.type == "cuda":
+        return (f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(device)} "
+                f"(sm {'.'.join(map(str, torch.cuda.get_device_capability(device)))})")
+    return f"torch {torch.__version__}, {device.type}, {torch.get_num_threads()} threads"
+
 log = logging.getLogger("megatron_dilocox")
 __all__ = ["InterClusterGroup", "RendezvousError", "connect_store"]
 
@@ -93,7 +104,7 @@ class InterClusterGroup(Collective):
         self.timeout = timedelta(seconds=cfg.timeout_seconds)
         self.base = PrefixStore(f"dilocox/lr{local_rank}", store)
         self.membership = Membership(store, cfg.cluster_id, local_rank, local_world, cfg.num_clusters,
-                                     cfg.timeout_seconds, cfg.on_peer_failure, self._verify_join)
+                                     cfg.timeout_seconds, cfg.on_peer_failure, self._verify_join, cfg.secret or "")
         self.standalone = cfg.coordinator == "standalone"
         self.local_world, self.fingerprint = local_world, fingerprint or {}
         self.failovers: list[tuple[float, float]] = []  # (noticed, reconnected) wall times, standalone
@@ -298,9 +309,16 @@ class InterClusterGroup(Collective):
         if self.joining:  # compare with the clusters that posted (a lost one may never come back)
             peers = [p for p in peers if store.check([f"fingerprint/{session}/{p}"])]
         reference = posted(peers[0])
+        platforms = {peer: posted(peer).pop(PLATFORM, None) for peer in peers}  # logged, not compared
+        reference.pop(PLATFORM, None)
+        if len({json.dumps(p, sort_keys=True) for p in platforms.values()}) > 1 and self.local_rank == 0:
+            log.warning("DiLoCoX rendezvous: the sites compute on different platforms (%s): their arithmetic may "
+                        "differ in the last bits; a global model that differs is repaired within the round, and "
+                        "repairs every round stop the run (docs/fault_tolerance.md#one-global-model)",
+                        "; ".join(f"cluster {c}: {p}" for c, p in platforms.items()))
         problems = []
         for peer in peers:
-            theirs = _flatten(posted(peer))
+            theirs = _flatten({k: v for k, v in posted(peer).items() if k != PLATFORM})
             diff = sorted(k for k in set(_flatten(reference)) | set(theirs) if _flatten(reference).get(k) != theirs.get(k))
             problems += [f"{k}: cluster 0 has {_flatten(reference).get(k)!r}, cluster {peer} has {theirs.get(k)!r}"
                          for k in diff]

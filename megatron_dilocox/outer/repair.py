@@ -10,6 +10,12 @@ group. A cluster without the reference installs them (main thread, ``install``) 
 so after that round every cluster holds the same global model again. Cost: one sha256 pass over φ and momentum
 per round; the broadcast (4 bytes per value of φ and momentum) only in a round that repairs. The eager
 correction and the error feedback are each cluster's own and are not compared. Pure PyTorch.
+
+A repair is for a one-off difference. Sites whose arithmetic differs in every round (another BLAS, GPU generation
+or thread count rebuilding a low-rank Δ) would be repaired every round, each repair moving φ and momentum (8 bytes
+per value, about 15x an int4 round) behind a warning. So consecutive repaired rounds raise an alarm after
+ALARM_AFTER and stop the run after STOP_AFTER, on every cluster at the same round (each counts from the hashes
+every cluster received), saying why and what to change.
 """
 from __future__ import annotations
 
@@ -20,6 +26,11 @@ import torch
 from megatron_dilocox.outer import report
 
 log = logging.getLogger("megatron_dilocox")
+
+ALARM_AFTER, STOP_AFTER = 3, 8  # consecutive rounds that repaired a cluster
+ADVICE = ("the sites' arithmetic differs in every round (their platforms are logged at the rendezvous): run every "
+          "site on the same torch version and device type, or send the rounds whole (--dilocox-no-lowrank), "
+          "whose update every site computes from the same dequantized bytes")
 
 
 def _state(sync) -> list:
@@ -57,3 +68,17 @@ def install(sync, flat: torch.Tensor):
     state = _state(sync)
     for t, v in zip(state, torch.split(flat, [t.numel() for t in state])):
         t.copy_(v.view_as(t))
+
+
+def judge(sync, result):
+    """(Exchange thread, a committed round) count consecutive rounds that repaired; after STOP_AFTER the round is
+    not applied (its repair still is) and the run stops with the reason."""
+    sync.repairs_in_a_row = sync.repairs_in_a_row + 1 if result.repaired else 0
+    n = sync.repairs_in_a_row
+    if n == ALARM_AFTER:
+        log.error("DiLoCoX round %d: a global model was repaired in %d rounds in a row; at %d the run stops: %s",
+                  result.round, n, STOP_AFTER, ADVICE)
+    if n >= STOP_AFTER:
+        result.deltas = None
+        result.status = (f"stopped: the global models differed in {n} rounds in a row (repaired each time; this "
+                         f"round's update not applied): {ADVICE}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -177,14 +178,22 @@ class StreamingSync:
         return round(j * self.lead.h / len(self.fragments))
 
     def after_inner_step(self, tokens=None) -> bool:
-        changed = self.lead.after_inner_step(tokens=tokens)
+        # every fragment times the step from its end to the end of the last hook: not from the start of its own
+        # hook, after the earlier fragments' boundaries and landings (a wait for a late transfer), which a site that
+        # waited would show as slower steps to per-site H, which then gives it fewer steps
+        # (docs/algorithm.md#sites-of-different-speeds)
+        ended = time.perf_counter()
+        changed = self.lead.after_inner_step(tokens=tokens, step_ended=ended)
         into = self.lead.steps_in_round  # steps into fragment 0's round, this one included
         for j, f in enumerate(self.fragments[1:], 1):
             # once per round of fragment 0: at its offset, or at once if a new H moved the offset behind us
             # (f's last boundary came after fragment 0's iff f.steps_in_round, this step not yet counted, is
             # below into − 1)
             due = into >= self.offset(j) and f.steps_in_round >= into - 1
-            changed |= f.after_inner_step(boundary_due=due, tokens=tokens)
+            changed |= f.after_inner_step(boundary_due=due, tokens=tokens, step_ended=ended)
+        now = time.perf_counter()
+        for f in self.fragments:
+            f._last_hook = now
         return changed
 
     @torch.no_grad()

@@ -141,6 +141,7 @@ class DiLoCoXSync:
         self.rows: list[dict] = []  # every round's metrics row, in order (small dicts; one per round)
         self.stopped: Optional[str] = None  # why the run must stop (a peer lost under policy stop, ...)
         self.stopped_round = 0  # the round that stopped it
+        self.repairs_in_a_row = 0  # consecutive committed rounds that repaired a cluster (repair.judge)
         self._launched_delta = None  # δ of the round in flight (kept as error feedback if it is dropped)
         self.joined_midrun = False
         self.start_broadcast = False  # whether start() had to send cluster 0's model (it differed somewhere)
@@ -200,11 +201,14 @@ class DiLoCoXSync:
         return self
 
     # ------------------------------------------------------------------------------------------ hook
-    def after_inner_step(self, boundary_due: Optional[bool] = None, tokens: Optional[float] = None) -> bool:
+    def after_inner_step(self, boundary_due: Optional[bool] = None, tokens: Optional[float] = None,
+                         step_ended: Optional[float] = None) -> bool:
         """Call after every inner optimizer step; returns True when θ was changed (a round boundary or a
         landing). ``boundary_due``: whether this step ends the round (default: H steps into it); ``tokens``:
-        what the step trained on (default ``tokens_per_step``), the round's weight in the average."""
-        now = time.perf_counter()
+        what the step trained on (default ``tokens_per_step``), the round's weight in the average;
+        ``step_ended``: when the step ended (perf_counter; default now), which with the end of the last hook
+        times the step (the hook's own waits are not step time)."""
+        now = time.perf_counter() if step_ended is None else step_ended
         if self._last_hook is not None:
             dt = now - self._last_hook
             self.step_seconds = dt if self.step_seconds == 0 else 0.8 * self.step_seconds + 0.2 * dt
@@ -392,6 +396,8 @@ class DiLoCoXSync:
                                     num_clusters=self.group.size, rank=self.codec.rank, next_rank=self.codec.rank)
             result.lost = list(verdict["lost"])
             break
+        if verdict["action"] == "commit":
+            repair.judge(self, result)
         result.comm_seconds, result.launched_at = time.perf_counter() - t0, iteration
         result.launched_tokens = launched_tokens
         self.exchange_spans.append((wall0, time.time()))
@@ -436,19 +442,20 @@ class DiLoCoXSync:
                                   else 0.5 * self.comm_seconds_prev + 0.5 * transfer)
         if result.wire_bytes > 0:
             self.link.update(result.wire_seconds / result.wire_bytes)
+        if result.repair is not None:  # (before a stop too: the run ends holding one global model)
+            repair.install(self, result.repair)
+            result.repair = None
         if result.status.startswith("stopped"):
             self.stopped_round = result.round
-            self.stopped = (f"DiLoCoX round {result.round} {result.status} (--dilocox-on-peer-failure "
-                            f"{self.cfg.on_peer_failure}); the global model was not changed")
+            policy = "" if result.status.endswith(repair.ADVICE) else \
+                f" (--dilocox-on-peer-failure {self.cfg.on_peer_failure}); the global model was not changed"
+            self.stopped = f"DiLoCoX round {result.round} {result.status}{policy}"
             log.error("%s", self.stopped)
             self._write_row(result, exposed, self.h, result.rank)
             return
         if not result.local_ok:
             raise DivergedError(f"DiLoCoX round {result.round}: this cluster's pseudo-gradient has NaN/Inf "
                                 f"(inner training diverged); the global model was not changed")
-        if result.repair is not None:
-            repair.install(self, result.repair)
-            result.repair = None
         if result.deltas is not None:
             self.clock.applied(result.member_tokens, result.end_requested, result.member_plans_left,
                                result.launched_tokens)
