@@ -327,7 +327,7 @@ def test_a_vote_without_the_runs_tag_counts_as_that_members_loss():
         coord.meta.set(f"{key}/vote/1/0", "ok")  # the writer's
         verdict = coord.verdict(key, [])
         assert verdict["action"] == action and verdict["lost"] == [1], verdict
-        assert "cluster(s) 1 sent payloads or votes whose authentication tags do not verify" in verdict["reason"]
+        assert "the votes of cluster(s) 1 in the rendezvous store do not carry the run's tag" in verdict["reason"]
         # a tagged vote for another attempt, cluster or rank does not verify either
         for forged in (signed_vote("run-secret", "e0/x1", 1, 0, "ok"), signed_vote("run-secret", key, 0, 0, "ok"),
                        signed_vote("other-secret", key, 1, 0, "ok")):

@@ -260,8 +260,9 @@ class Membership:
         refused = [v for v in votes if v.startswith("refused:")]
         # a payload whose tag did not verify (compression/auth.py), or a vote whose tag does not: that member is
         # lost for this round (nothing from it is applied)
-        forged = sorted(({int(v.split(":")[1]) for v in votes if v.startswith("forged:")}
-                         | {c for (c, _), v in posted.items() if v is None}) & set(self.members))
+        payloads = sorted({int(v.split(":")[1]) for v in votes if v.startswith("forged:")} & set(self.members))
+        untagged = sorted({c for (c, _), v in posted.items() if v is None})
+        forged = sorted(set(payloads) | set(untagged))
         missing = sorted(set(missing) | set(forged))
         verdict = {"action": "commit", "members": list(self.members), "epoch": self.epoch, "lost": missing,
                    "admitted": [], "reason": ""}
@@ -271,8 +272,11 @@ class Membership:
             silent = [c for c in missing if c not in forged]
             why = ([f"lost cluster(s) {', '.join(map(str, silent))}: no answer within "
                     f"{heartbeat_after(self.timeout):.0f}s of heartbeat silence"] if silent else []) + \
-                  ([f"cluster(s) {', '.join(map(str, forged))} sent payloads or votes whose authentication tags "
-                    f"do not verify (altered, replayed or misrouted): nothing from them applied"] if forged else [])
+                  ([f"cluster(s) {', '.join(map(str, payloads))} sent payloads whose authentication tags do not "
+                    f"verify (altered, replayed or misrouted): nothing from them applied"] if payloads else []) + \
+                  ([f"the votes of cluster(s) {', '.join(map(str, untagged))} in the rendezvous store do not carry "
+                    f"the run's tag (written by someone without the secret): nothing from them applied"]
+                   if untagged else [])
             verdict.update(action="stop" if self.policy == "stop" else "retry",
                            members=[c for c in self.members if c not in missing], epoch=self.epoch + 1,
                            reason="; ".join(why))
