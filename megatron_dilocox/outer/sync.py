@@ -50,13 +50,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_dilocox.compression.auth import ForgedPayload
-from megatron_dilocox.compression.codec import ExchangeResult, PayloadError, PseudoGradientCodec
+from megatron_dilocox.compression.codec import ExchangeResult, PseudoGradientCodec
 from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
-from megatron_dilocox.net.membership import PeerLostError
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import handover, plan, repair, report, resume
+from megatron_dilocox.outer import handover, membership_round, plan, repair, report, resume
 from megatron_dilocox.outer.clock import RunClock
 from megatron_dilocox.outer.link import LinkRate, probe_link
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
@@ -355,47 +353,13 @@ class DiLoCoXSync:
         # round 1 under the link budget is sized by the codec, from the probed rate and the step time in the
         # header every cluster shares (no landing has run _adapt yet)
         first_link_steps = plan.link_steps(self.cfg, self.link_share) if self.link_budget and round_idx == 1 else 0.0
-        while True:
-            snapshot = self.codec.snapshot()
-            attempt_start = time.perf_counter()
-            try:
-                result, outcome = self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev,
-                                                      self.step_seconds, self.link.seconds_per_byte,
-                                                      link_steps=first_link_steps, tokens=max(tokens, 1e-30),
-                                                      steps=max(steps, 1), state_hash=state_hash,
-                                                      end_request=end_request, plan_left=plan_left), "ok"
-                if len(set(result.state_hashes)) > 1:
-                    repair.fetch(self, result, state_hash)
-                result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)
-            except PayloadError as exc:
-                result, outcome = None, f"refused:{exc}"
-            except ForgedPayload as exc:  # (compression/auth.py) the sender is lost for this round
-                result, outcome = None, f"forged:{exc.sender}:{exc}"
-                log.error("%s", exc)
-            except Exception as exc:  # transport: a peer died, a link dropped, a timeout
-                result, outcome = None, "fail"
-                log.warning("DiLoCoX round %d: exchange failed on cluster %d: %s", round_idx,
-                            self.cfg.cluster_id, exc)
-            try:
-                verdict = self.group.settle(round_idx, outcome, time.monotonic())
-            except PeerLostError as exc:
-                verdict = {"action": "stop", "lost": [0], "admitted": [], "reason": str(exc)}
-            if verdict["action"] == "commit":
-                break
-            self.codec.restore(snapshot)
-            if verdict["action"] == "retry" and self.cfg.cluster_id not in verdict["members"]:
-                verdict = dict(verdict, action="stop", lost=[self.cfg.cluster_id],
-                               reason=f"the other clusters went on without this one (cluster {self.cfg.cluster_id}: "
-                                      f"{verdict['reason']}); restart it to rejoin")
-            if verdict["action"] == "retry":
-                log.warning("DiLoCoX round %d: %s; retrying with clusters %s", round_idx, verdict["reason"],
-                            verdict["members"])
-                self.group.reform(verdict)
-                continue
-            result = ExchangeResult(round=round_idx, deltas=None, status=f"stopped: {verdict['reason']}",
-                                    num_clusters=self.group.size, rank=self.codec.rank, next_rank=self.codec.rank)
-            result.lost = list(verdict["lost"])
-            break
+
+        def attempt() -> ExchangeResult:
+            return self.codec.exchange(delta, self.group, round_idx, self.comm_seconds_prev, self.step_seconds,
+                                       self.link.seconds_per_byte, link_steps=first_link_steps,
+                                       tokens=max(tokens, 1e-30), steps=max(steps, 1), state_hash=state_hash,
+                                       end_request=end_request, plan_left=plan_left)
+        result, verdict = membership_round.settled(self, round_idx, attempt, state_hash)
         if verdict["action"] == "commit":
             repair.judge(self, result)
         result.comm_seconds, result.launched_at = time.perf_counter() - t0, iteration
