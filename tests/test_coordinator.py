@@ -240,12 +240,12 @@ def test_a_restarted_coordinator_republishes_the_verdict_one_cluster_missed(tmp_
             assert authenticate(store, address, cfg(address, cluster=c), 0, 1, views[c])[1] is False
         meta = PrefixStore("dilocox/m", store)
         meta.wait(["e0/x3/verdict"], timedelta(seconds=30))
-        assert open_verdict(SECRET, meta.get("e0/x3/verdict").decode(), "e0/x3") == commit
+        assert open_verdict(SECRET, meta.get("e0/x3/verdict"), "e0/x3") == commit
         for c in (0, 1):  # the next attempt is decided normally, at e0/x4
             meta.set(f"e0/x4/vote/{c}/0", signed_vote(SECRET, "e0/x4", c, 0, "ok"))
             meta.add(f"e0/x4/votes/{c}", 1)
         meta.wait(["e0/x4/verdict"], timedelta(seconds=30))
-        assert open_verdict(SECRET, meta.get("e0/x4/verdict").decode(), "e0/x4")["action"] == "commit"
+        assert open_verdict(SECRET, meta.get("e0/x4/verdict"), "e0/x4")["action"] == "commit"
         assert not meta.check(["e0/x5/verdict"])
         assert "verdict e0/x3 (commit) published again; next: epoch 0, attempt 4" in coord.text()
     finally:
@@ -351,7 +351,7 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
         meta.set("e1/x0/vote/0/0", signed_vote(SECRET, "e1/x0", 0, 0, "ok"))
         meta.add("e1/x0/votes/0", 1)
         meta.wait(["e1/x0/verdict"], timedelta(seconds=30))
-        admission = open_verdict(SECRET, meta.get("e1/x0/verdict").decode(), "e1/x0")
+        admission = open_verdict(SECRET, meta.get("e1/x0/verdict"), "e1/x0")
         assert admission == {"action": "commit", "members": [0, 1], "epoch": 2, "lost": [], "admitted": [1],
                              "reason": ""}
         waiter.join(30)
@@ -367,7 +367,7 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
                                                   "last": ["e1/x0", admission], "pending": None})
         meta = PrefixStore("dilocox/m", store0)
         meta.wait(["admit/1/1"], timedelta(seconds=30))
-        assert open_verdict(SECRET, meta.get("admit/1/1").decode(), "admit/1/1") == admission
+        assert open_verdict(SECRET, meta.get("admit/1/1"), "admit/1/1") == admission
     finally:
         for c in coords:
             c.stop()

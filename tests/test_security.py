@@ -328,9 +328,10 @@ def test_a_vote_without_the_runs_tag_counts_as_that_members_loss():
         verdict = coord.verdict(key, [])
         assert verdict["action"] == action and verdict["lost"] == [1], verdict
         assert "the votes of cluster(s) 1 in the rendezvous store do not carry the run's tag" in verdict["reason"]
-        # a tagged vote for another attempt, cluster or rank does not verify either
-        for forged in (signed_vote("run-secret", "e0/x1", 1, 0, "ok"), signed_vote("run-secret", key, 0, 0, "ok"),
-                       signed_vote("other-secret", key, 1, 0, "ok")):
+        # a tagged vote for another attempt, cluster or rank does not verify either, nor garbage
+        for forged in (signed_vote("run-secret", "e0/x1", 1, 0, "ok"),
+                       signed_vote("run-secret", key, 0, 0, "ok"),
+                       signed_vote("other-secret", key, 1, 0, "ok"), b"\xff\xfe\n\xff", "ok\né"):
             coord.meta.set(f"{key}/vote/1/0", forged)
             assert coord.verdict(key, [])["lost"] == [1]
         coord.meta.set(f"{key}/vote/1/0", signed_vote("run-secret", key, 1, 0, "ok"))
@@ -346,16 +347,23 @@ def test_a_verdict_without_the_runs_tag_stops_the_member_and_a_commit_it_did_not
 
     from megatron_dilocox.net.membership import ForgedVerdict, PeerLostError, open_verdict, seal_verdict
     commit = {"action": "commit", "members": [0, 1], "epoch": 0, "lost": [], "admitted": [], "reason": ""}
-    assert open_verdict("run-secret", seal_verdict("run-secret", "e0/x3", commit), "e0/x3") == commit
+    sealed = seal_verdict("run-secret", "e0/x3", commit)
+    assert open_verdict("run-secret", sealed.encode(), "e0/x3") == commit
     for text, key in ((json.dumps(commit), "e0/x3"), (seal_verdict("other-secret", "e0/x3", commit), "e0/x3"),
                       (seal_verdict("run-secret", "e0/x2", commit), "e0/x3"),
-                      (seal_verdict("run-secret", "admit/1/1", commit), "admit/1/2"), ("garbage", None)):
+                      (seal_verdict("run-secret", "admit/1/1", commit), "admit/1/2"), ("garbage", None),
+                      ('{"verdict": "[]", "tag": 1}', None)):
         with pytest.raises(ForgedVerdict, match="does not carry the run's tag"):
-            open_verdict("run-secret", text, key)
+            open_verdict("run-secret", text.encode(), key)
     assert issubclass(ForgedVerdict, PeerLostError)  # (the round's owner stops on it: outer/sync.py)
     _, (_, member) = _members()
-    member.meta.set("e0/x0/verdict", seal_verdict("run-secret", "e0/x0", commit))  # posted before its vote
+    member.meta.set("e0/x0/verdict", seal_verdict("run-secret", "e0/x0", commit))  # before its vote
     with pytest.raises(ForgedVerdict, match="committed although this cluster's attempt was not ok \\(fail\\)"):
         member.settle(1, "fail", time.monotonic())
     member.meta.set("e0/x1/verdict", seal_verdict("run-secret", "e0/x1", commit))
     assert member.settle(2, "ok", time.monotonic()) == commit
+    # with a standalone coordinator a verdict that does not verify is no lost coordinator: no reconnect, a stop
+    member.reconnect = lambda: pytest.fail("reconnected to the coordinator over a forged verdict")
+    member.meta.set("e0/x2/verdict", json.dumps(commit))
+    with pytest.raises(ForgedVerdict, match="on attempt e0/x2 does not carry the run's tag"):
+        member.settle(3, "ok", time.monotonic())

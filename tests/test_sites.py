@@ -92,8 +92,8 @@ def test_a_corrupted_global_model_is_repaired_within_the_round(tmp_path, C, vict
 def test_repairs_in_every_round_raise_an_alarm_then_stop_the_run_holding_one_global_model(tmp_path):
     """Cluster 1's global model altered after every round from round 2 on (as arithmetic that differs every round
     would): rounds 3, 4, ... each repair it; the third in a row logs an alarm on every cluster, the eighth (round
-    10) stops the run on every cluster at the same round, saying why and what to change, without applying that
-    round's update but with its repair, so both end holding the same global model."""
+    10) stops the run on every cluster after that round, saying why and what to change; the round is applied,
+    repair included, so both end holding the same global model."""
     from megatron_dilocox.outer.repair import ADVICE, ALARM_AFTER, STOP_AFTER
     res = train_clusters(2, steps=40, metrics_dir=str(tmp_path), corrupt={"cluster": 1, "round": 2, "every": True},
                          dilocox=dilocox_spec(2, h=2, lowrank_rank=4, lowrank_min_dim=8, quant_block_size=32,
@@ -103,10 +103,10 @@ def test_repairs_in_every_round_raise_an_alarm_then_stop_the_run_holding_one_glo
         rows = read_rows(tmp_path / f"metrics_c{c}.jsonl")
         assert [r["round"] for r in rows] == list(range(1, stop + 1)), [r["round"] for r in rows]
         assert [r["repaired"] for r in rows] == [[], []] + [[1]] * STOP_AFTER
-        assert all(r["status"] == "applied" for r in rows[:-1])
-        assert rows[-1]["status"].startswith(f"stopped: the global models differed in {STOP_AFTER} rounds in a row")
+        assert all(r["status"] == "applied" for r in rows)
         err = res[(c, 0)]["error"]
-        assert err == f"DiLoCoX round {stop} {rows[-1]['status']}" and err.endswith(ADVICE), err
+        assert err == (f"DiLoCoX round {stop} stopped: the global models differed in {STOP_AFTER} rounds in a row "
+                       f"(each repaired, the last one too): {ADVICE}"), err
         alarms = [w for w in res[(c, 0)]["warnings"] if f"repaired in {ALARM_AFTER} rounds in a row" in w]
         assert len(alarms) == 1 and f"DiLoCoX round {2 + ALARM_AFTER}:" in alarms[0], res[(c, 0)]["warnings"]
     assert all(torch.equal(a, b) for a, b in zip(res[(0, 0)]["final_anchor"], res[(1, 0)]["final_anchor"]))

@@ -24,10 +24,12 @@ standby), each rank sends ``report()`` and repeats its pending vote, and the new
 verdict any rank read once more, so every rank applies the same verdicts in the same order.
 
 Votes and verdicts are tagged (HMAC-SHA256 under the run's secret, over the attempt's key, the voter and what it
-says; ``signed_vote``, ``seal_verdict``): the store is reachable by whoever reaches its port, so the coordinator
+says; ``signed_vote``, ``seal_verdict``; not over the rendezvous session, which differs between a cluster's local
+ranks, so one from an earlier run with the same secret verifies at the same key: docs/security.md). The store is
+reachable by whoever reaches its port, so the coordinator
 counts a vote only when its tag verifies (one that does not counts as that member's loss for the round, like a
 forged payload), every rank reads a verdict only when its tag verifies (one that does not stops the run: nothing
-is applied on it), and a member commits a round only when its own attempt was ok (``outer/sync.py``): a store
+is applied on it), and a member commits a round only when its own attempt was ok (``settle``): a store
 writer without the secret can stall or stop a run, not make a member apply a round it did not finish.
 
 Joining mid-run (policy continue): a restarted cluster finds the run in progress, authenticates by the
@@ -65,10 +67,11 @@ def signed_vote(secret: str, key: str, cluster: int, local_rank: int, outcome: s
     return f"{outcome}\n{mac(secret, 'vote', key, cluster, local_rank, outcome)}"
 
 
-def opened_vote(secret: str, key: str, cluster: int, local_rank: int, text: str) -> Optional[str]:
+def opened_vote(secret: str, key: str, cluster: int, local_rank: int, raw: bytes) -> Optional[str]:
     """The outcome of a posted vote, or None when its tag does not verify (not this rank's vote on this key)."""
-    outcome, _, got = text.rpartition("\n")
-    return outcome if hmac.compare_digest(got, mac(secret, "vote", key, cluster, local_rank, outcome)) else None
+    outcome, _, got = raw.decode(errors="replace").rpartition("\n")
+    want = mac(secret, "vote", key, cluster, local_rank, outcome)
+    return outcome if hmac.compare_digest(got.encode(), want.encode()) else None
 
 
 def seal_verdict(secret: str, key: str, verdict: dict) -> str:
@@ -77,14 +80,15 @@ def seal_verdict(secret: str, key: str, verdict: dict) -> str:
     return json.dumps({"verdict": body, "tag": mac(secret, "verdict", body)})
 
 
-def open_verdict(secret: str, text: str, key: Optional[str] = None) -> dict:
-    """The verdict posted as ``text`` (on attempt ``key``, when given), or ForgedVerdict."""
+def open_verdict(secret: str, raw: bytes, key: Optional[str] = None) -> dict:
+    """The verdict posted as ``raw`` (on attempt ``key``, when given), or ForgedVerdict."""
     try:
-        posted = json.loads(text)
+        posted = json.loads(raw)
         body, got = posted["verdict"], posted["tag"]
         verdict = json.loads(body)
-        ok = hmac.compare_digest(got, mac(secret, "verdict", body)) and (key is None or verdict.get("key") == key)
-    except (ValueError, KeyError, TypeError):
+        ok = hmac.compare_digest(str(got).encode(), mac(secret, "verdict", body).encode()) and \
+            isinstance(verdict, dict) and (key is None or verdict.get("key") == key)
+    except (ValueError, KeyError, TypeError, AttributeError):
         ok = False
     if not ok:
         raise ForgedVerdict(f"a verdict in the rendezvous store{f' on attempt {key}' if key else ''} does not carry "
@@ -200,6 +204,8 @@ class Membership:
             try:
                 verdict = self._vote(key, outcome, attempt_end)
                 break
+            except ForgedVerdict:  # (not a lost coordinator: asking a new one would read the same)
+                raise
             except Exception as exc:
                 if self.reconnect is None:
                     raise PeerLostError(f"lost the rendezvous host, cluster 0 (round {round_idx}): {exc}") from exc
@@ -219,7 +225,7 @@ class Membership:
         if self.coordinator:
             self.post_verdict(key, self._decide(key, attempt_end))
         self.meta.wait([f"{key}/verdict"], timedelta(seconds=3 * self.timeout))
-        return open_verdict(self.secret, self.meta.get(f"{key}/verdict").decode(), key)
+        return open_verdict(self.secret, self.meta.get(f"{key}/verdict"), key)
 
     def post_verdict(self, key: str, verdict: dict):
         self.meta.set(f"{key}/verdict", seal_verdict(self.secret, key, verdict))
@@ -254,7 +260,7 @@ class Membership:
         return None
 
     def verdict(self, key: str, missing: list[int]) -> dict:
-        posted = {(c, r): opened_vote(self.secret, key, c, r, self.meta.get(f"{key}/vote/{c}/{r}").decode())
+        posted = {(c, r): opened_vote(self.secret, key, c, r, self.meta.get(f"{key}/vote/{c}/{r}"))
                   for c in self.members if c not in missing for r in range(self.local_world)}
         votes = [v for v in posted.values() if v is not None]
         refused = [v for v in votes if v.startswith("refused:")]
@@ -351,6 +357,6 @@ class Membership:
                 n = 0
         self.joining = False
         key = f"admit/{self.cluster}/{n + 1}"
-        verdict = open_verdict(self.secret, self.meta.get(key).decode(), key)
+        verdict = open_verdict(self.secret, self.meta.get(key), key)
         self.apply(verdict)
         return verdict

@@ -30,7 +30,7 @@ from megatron_dilocox.outer.nesterov import OuterNesterov
 
 _HEADER = ("round", "iteration", "h", "rank", "has_momentum", "has_deltas", "next_rank", "peer_comm_seconds",
            "peer_step_seconds", "num_clusters", "tau", "q_rank", "peer_seconds_per_byte", "round_tokens",
-           "end_requested", "shared_h", "shared_tau", "launched_tokens", "plans_left") + tuple(f"clock.{k}" for k in RunClock.FIELDS)
+           "end_requested", "shared_h", "shared_tau", "launched_tokens", "plans_left", "repairs_in_a_row") + tuple(f"clock.{k}" for k in RunClock.FIELDS)
 HEAD, STATE = (0, 0, "handover-head"), (0, 0, "handover")  # tag contexts (the key is the new epoch's)
 
 
@@ -51,7 +51,7 @@ def send(sync, result: ExchangeResult, iteration: int):
               result.next_rank, result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters, sync.tau,
               sync.codec.q[0].shape[-1] if sync.codec.q else 0, result.peer_seconds_per_byte,
               sum(result.member_tokens), result.end_requested, *sync.shared,
-              result.launched_tokens, sum(result.member_plans_left)] + sync.clock.as_floats()
+              result.launched_tokens, sum(result.member_plans_left), sync.repairs_in_a_row] + sync.clock.as_floats()
     sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=src, context=HEAD)
     parts = list(sync.anchor) + (list(buf) if buf is not None else []) + list(sync.codec.q) + list(result.deltas or [])
     flat = _flat(parts)
@@ -95,6 +95,7 @@ def receive(sync) -> ExchangeResult:
     sync.shared = (int(head["shared_h"]), int(head["shared_tau"]))
     sync.h, sync.tau = sync.shared if sync.cfg.per_site_h else (sync.h, sync.tau)
     sync.clock = RunClock.from_floats([head[f"clock.{k}"] for k in RunClock.FIELDS])
+    sync.repairs_in_a_row = int(head["repairs_in_a_row"])  # (so the joiner stops after the same round as they do)
     return ExchangeResult(round=sync.round, deltas=deltas, status="applied" if deltas is not None else
                           "refused: (before this cluster rejoined)", num_clusters=int(head["num_clusters"]),
                           rank=rank, next_rank=int(head["next_rank"]), launched_at=sync.iteration,

@@ -22,7 +22,7 @@ from typing import Callable
 
 from megatron_dilocox.compression.auth import ForgedPayload
 from megatron_dilocox.compression.codec import ExchangeResult, PayloadError
-from megatron_dilocox.net.membership import PeerLostError
+from megatron_dilocox.net.membership import ForgedVerdict, PeerLostError
 from megatron_dilocox.outer import repair
 
 log = logging.getLogger("megatron_dilocox")
@@ -48,8 +48,9 @@ def settled(sync, round_idx: int, attempt: Callable[[], ExchangeResult], state_h
             log.warning("DiLoCoX round %d: exchange failed on cluster %d: %s", round_idx, sync.cfg.cluster_id, exc)
         try:
             verdict = sync.group.settle(round_idx, outcome, time.monotonic())
-        except PeerLostError as exc:
-            verdict = {"action": "stop", "lost": [0], "admitted": [], "reason": str(exc)}
+        except PeerLostError as exc:  # (the coordinator, or a verdict that does not verify: nobody is lost)
+            verdict = {"action": "stop", "lost": [] if isinstance(exc, ForgedVerdict) else [0], "admitted": [],
+                       "reason": str(exc)}
         if verdict["action"] == "commit":
             return result, verdict
         sync.codec.restore(snapshot)

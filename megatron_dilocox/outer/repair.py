@@ -14,12 +14,14 @@ correction and the error feedback are each cluster's own and are not compared. P
 A repair is for a one-off difference. Sites whose arithmetic differs in every round (another BLAS, GPU generation
 or thread count rebuilding a low-rank Δ) would be repaired every round, each repair moving φ and momentum (8 bytes
 per value, about 15x an int4 round) behind a warning. So consecutive repaired rounds raise an alarm after
-ALARM_AFTER and stop the run after STOP_AFTER, on every cluster at the same round (each counts from the hashes
-every cluster received), saying why and what to change.
+ALARM_AFTER and stop the run after STOP_AFTER, on every cluster after the same round (each counts from the hashes
+every cluster received; that round is applied, repair included, so the run ends holding one global model),
+saying why and what to change.
 """
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -28,9 +30,10 @@ from megatron_dilocox.outer import report
 log = logging.getLogger("megatron_dilocox")
 
 ALARM_AFTER, STOP_AFTER = 3, 8  # consecutive rounds that repaired a cluster
-ADVICE = ("the sites' arithmetic differs in every round (their platforms are logged at the rendezvous): run every "
-          "site on the same torch version and device type, or send the rounds whole (--dilocox-no-lowrank), "
-          "whose update every site computes from the same dequantized bytes")
+ADVICE = ("the sites' arithmetic differs in every round (their platforms are logged at the rendezvous): resume with "
+          "every site on the same torch version and device type, or start the run again sending the rounds whole "
+          "(--dilocox-no-lowrank, whose update every site computes from the same dequantized bytes; a checkpoint "
+          "keeps the setting it was saved with)")
 
 
 def _state(sync) -> list:
@@ -70,15 +73,16 @@ def install(sync, flat: torch.Tensor):
         t.copy_(v.view_as(t))
 
 
-def judge(sync, result):
-    """(Exchange thread, a committed round) count consecutive rounds that repaired; after STOP_AFTER the round is
-    not applied (its repair still is) and the run stops with the reason."""
-    sync.repairs_in_a_row = sync.repairs_in_a_row + 1 if result.repaired else 0
+def judge(sync, result) -> Optional[str]:
+    """(Main thread, a round just applied) count consecutive rounds that repaired a cluster; the reason to stop the
+    run after STOP_AFTER, else None. The ranks of a cluster each hash their own slice, so they agree on whether
+    any of them repaired (one max over the cluster), and every cluster counts alike."""
+    repaired = sync.intra.reduce([1.0 if result.repaired else 0.0], "max")[0] > 0
+    sync.repairs_in_a_row = sync.repairs_in_a_row + 1 if repaired else 0
     n = sync.repairs_in_a_row
-    if n == ALARM_AFTER:
+    if n == ALARM_AFTER and sync.intra.is_writer:
         log.error("DiLoCoX round %d: a global model was repaired in %d rounds in a row; at %d the run stops: %s",
                   result.round, n, STOP_AFTER, ADVICE)
     if n >= STOP_AFTER:
-        result.deltas = None
-        result.status = (f"stopped: the global models differed in {n} rounds in a row (repaired each time; this "
-                         f"round's update not applied): {ADVICE}")
+        return f"the global models differed in {n} rounds in a row (each repaired, the last one too): {ADVICE}"
+    return None

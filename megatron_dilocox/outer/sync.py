@@ -139,7 +139,8 @@ class DiLoCoXSync:
         self.rows: list[dict] = []  # every round's metrics row, in order (small dicts; one per round)
         self.stopped: Optional[str] = None  # why the run must stop (a peer lost under policy stop, ...)
         self.stopped_round = 0  # the round that stopped it
-        self.repairs_in_a_row = 0  # consecutive committed rounds that repaired a cluster (repair.judge)
+        self.repairs_in_a_row = 0  # consecutive applied rounds that repaired a cluster (repair.judge)
+        self.stop_after_hook: Optional[tuple[int, str]] = None  # (round, why): repairs went on (repair.judge)
         self._launched_delta = None  # δ of the round in flight (kept as error feedback if it is dropped)
         self.joined_midrun = False
         self.start_broadcast = False  # whether start() had to send cluster 0's model (it differed somewhere)
@@ -223,6 +224,9 @@ class DiLoCoXSync:
         elif self.delayed and self.steps_in_round == self.tau and (self._in_flight or self._done):
             self.land()
             changed = True
+        if self.stop_after_hook is not None and not self.stopped:
+            self.stopped_round, self.stopped = self.stop_after_hook
+            log.error("%s", self.stopped)
         self._last_hook = time.perf_counter()
         return changed
 
@@ -360,8 +364,6 @@ class DiLoCoXSync:
                                        tokens=max(tokens, 1e-30), steps=max(steps, 1), state_hash=state_hash,
                                        end_request=end_request, plan_left=plan_left)
         result, verdict = membership_round.settled(self, round_idx, attempt, state_hash)
-        if verdict["action"] == "commit":
-            repair.judge(self, result)
         result.comm_seconds, result.launched_at = time.perf_counter() - t0, iteration
         result.launched_tokens = launched_tokens
         self.exchange_spans.append((wall0, time.time()))
@@ -406,26 +408,28 @@ class DiLoCoXSync:
                                   else 0.5 * self.comm_seconds_prev + 0.5 * transfer)
         if result.wire_bytes > 0:
             self.link.update(result.wire_seconds / result.wire_bytes)
-        if result.repair is not None:  # (before a stop too: the run ends holding one global model)
-            repair.install(self, result.repair)
-            result.repair = None
         if result.status.startswith("stopped"):
             self.stopped_round = result.round
-            policy = "" if result.status.endswith(repair.ADVICE) else \
-                f" (--dilocox-on-peer-failure {self.cfg.on_peer_failure}); the global model was not changed"
-            self.stopped = f"DiLoCoX round {result.round} {result.status}{policy}"
+            self.stopped = (f"DiLoCoX round {result.round} {result.status} (--dilocox-on-peer-failure "
+                            f"{self.cfg.on_peer_failure}); the global model was not changed")
             log.error("%s", self.stopped)
             self._write_row(result, exposed, self.h, result.rank)
             return
         if not result.local_ok:
             raise DivergedError(f"DiLoCoX round {result.round}: this cluster's pseudo-gradient has NaN/Inf "
                                 f"(inner training diverged); the global model was not changed")
+        if result.repair is not None:
+            repair.install(self, result.repair)
+            result.repair = None
         if result.deltas is not None:
             self.clock.applied(result.member_tokens, result.end_requested, result.member_plans_left,
                                result.launched_tokens)
             self.own_tokens += result.tokens
             lr = self.outer_lr(result.launched_at, result.launched_tokens)
             self.outer.step(result.deltas, lr=lr)  # φ ← Outer(φ, Δ)
+            why = repair.judge(self, result)
+            if why:  # (the round is applied: the run stops after this hook, holding one global model)
+                self.stop_after_hook = (result.round, f"DiLoCoX round {result.round} stopped: {why}")
         else:
             log.warning("DiLoCoX round %d %s; the global model was not changed", result.round, result.status)
         h_used, rank_used = self.h, result.rank
