@@ -18,8 +18,8 @@ DiLoCoX would be silently off), and installs everything the runtime entry does e
 the rounds (per-site or lockstep), the run's clock, the resume agreement, the evaluation of the global model
 (:func:`set_up`: ``seam.install_from_args(args, wrap_optimizer=False)``, which replaces ``evaluate``,
 ``setup_model_and_optimizer`` and the checkpoint functions at run time, as the runtime entry does). Only the
-optimizer's wrapping is the hook's: the same defaults, the same run. The module imports only the standard library at the top (torch_dist
-checkpointing re-imports the ``-m`` module in a helper process).
+optimizer's wrapping is the hook's: the same defaults, the same run. The module imports only the standard library
+at the top (torch_dist checkpointing re-imports the ``-m`` module in a helper process).
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def wrap_optimizer(optimizer, args=None, model=None):
 
     ``args``: Megatron's parsed arguments (``get_args()`` when omitted); ``model``: its model chunks (the
     canonical exchange layout reads them; a hook patched before they were passed gives None, and that layout
-    stops saying so). An optimizer that is already a
-    ``DiLoCoXOptimizer`` (the runtime seam is installed too) is returned as it is: never two syncs."""
+    stops saying so). An optimizer that is already a ``DiLoCoXOptimizer`` (the runtime seam is installed too) is
+    returned as it is: never two syncs."""
     from megatron_dilocox.glue import seam
 
     if args is None:

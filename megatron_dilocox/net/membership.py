@@ -26,11 +26,11 @@ verdict any rank read once more, so every rank applies the same verdicts in the 
 Votes and verdicts are tagged (HMAC-SHA256 under the run's secret, over the attempt's key, the voter and what it
 says; ``signed_vote``, ``seal_verdict``; not over the rendezvous session, which differs between a cluster's local
 ranks, so one from an earlier run with the same secret verifies at the same key: docs/security.md). The store is
-reachable by whoever reaches its port, so the coordinator
-counts a vote only when its tag verifies (one that does not counts as that member's loss for the round, like a
-forged payload), every rank reads a verdict only when its tag verifies (one that does not stops the run: nothing
-is applied on it), and a member commits a round only when its own attempt was ok (``settle``): a store
-writer without the secret can stall or stop a run, not make a member apply a round it did not finish.
+reachable by whoever reaches its port, so the coordinator counts a vote only when its tag verifies (one that
+does not counts as that member's loss for the round, like a forged payload), every rank reads a verdict only
+when its tag verifies (one that does not stops the run: nothing is applied on it), and a member commits a round
+only when its own attempt was ok (``settle``): a store writer without the secret can stall or stop a run, not
+make a member apply a round it did not finish.
 
 Joining mid-run (policy continue): a restarted cluster finds the run in progress, authenticates by the
 same challenge-response (the coordinator checks its proof at the next verdict), posts that all of its

@@ -308,19 +308,19 @@ class InterClusterGroup(Collective):
         peers = range(self.size)
         if self.joining:  # compare with the clusters that posted (a lost one may never come back)
             peers = [p for p in peers if store.check([f"fingerprint/{session}/{p}"])]
-        reference = posted(peers[0])
-        platforms = {peer: posted(peer).pop(PLATFORM, None) for peer in peers}  # logged, not compared
-        reference.pop(PLATFORM, None)
+        posts = {peer: posted(peer) for peer in peers}  # (one read each)
+        platforms = {peer: post.pop(PLATFORM, None) for peer, post in posts.items()}  # logged, not compared
         if len({json.dumps(p, sort_keys=True) for p in platforms.values()}) > 1 and self.local_rank == 0:
             log.warning("DiLoCoX rendezvous: the sites compute on different platforms (%s): their arithmetic may "
                         "differ in the last bits; a global model that differs is repaired within the round, and "
                         "repairs every round stop the run (docs/fault_tolerance.md#one-global-model)",
                         "; ".join(f"cluster {c}: {p}" for c, p in platforms.items()))
+        reference = _flatten(posts[peers[0]])
         problems = []
         for peer in peers:
-            theirs = _flatten({k: v for k, v in posted(peer).items() if k != PLATFORM})
-            diff = sorted(k for k in set(_flatten(reference)) | set(theirs) if _flatten(reference).get(k) != theirs.get(k))
-            problems += [f"{k}: cluster 0 has {_flatten(reference).get(k)!r}, cluster {peer} has {theirs.get(k)!r}"
+            theirs = _flatten(posts[peer])
+            diff = sorted(k for k in set(reference) | set(theirs) if reference.get(k) != theirs.get(k))
+            problems += [f"{k}: cluster 0 has {reference.get(k)!r}, cluster {peer} has {theirs.get(k)!r}"
                          for k in diff]
         # cluster 0 hosts the store for local rank 0: it must not leave before every peer has read
         store.add(f"fingerprint/{session}/read", 1)
