@@ -85,20 +85,25 @@ def test_readme_example_runs_two_clusters_that_agree():
     env = dict(os.environ, DILOCOX_SECRET="example-secret", PYTHONPATH=repo, OMP_NUM_THREADS="1")
     rdv = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, os.path.join(repo, "scripts", "examples", "plain_pytorch.py"),
-                               "--cluster", str(c), "--rendezvous", rdv, "--steps", "100"], env=env,
+                               "--cluster", str(c), "--rendezvous", rdv], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in range(2)]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     hashes = [re.search(r"global model (\w+)", o).group(1) for o in outs]
     vals = [[float(v) for v in re.findall(r"validation loss ([\d.]+)", o)] for o in outs]
     assert hashes[0] == hashes[1]  # every cluster ends with the same global model
-    assert vals[0] == vals[1] and len(vals[0]) == 2  # global_model() is φ: the same on both clusters
-    assert vals[0][1] < vals[0][0]  # and it learns
-    # 100 steps, H=10: 10 rounds (the last applied by the final flush), or more rows where the toy's transfers fill
-    # half a round and it goes on as F = 8 fragments (--dilocox-slow-link-fragments): the same count on both clusters
+    assert vals[0] == vals[1] and len(vals[0]) == 4  # global_model() is φ: the same on both clusters
+    # and it learns: the README's 200 steps, as a user runs it. Not step 100 against step 50: that pair depends on
+    # when the slow-link switch engages (wall time on a loaded host), and the toy's curve is not monotone there
+    # (0.248 -> 0.291 from step 75 to 100 with whole rounds only); step 200 against step 50 is 0.15 against 0.38-0.57
+    # in every setting tried (whole rounds, the switch, fragments from the start)
+    assert vals[0][3] < vals[0][0]
+    # 200 steps, H=10: 20 rounds (the last applied by the final flush), or more rows where the toy's transfers fill
+    # half a round and it goes on as F = 8 fragments (--dilocox-slow-link-fragments): at most F rows per round plus
+    # each fragment's partial round flushed at the end; the same count on both clusters
     rounds = [int(re.search(r"done: (\d+) rounds", o).group(1)) for o in outs]
-    most = 10 * DiLoCoXConfig().slow_link_fragments
-    assert rounds[0] == rounds[1] and (rounds[0] == 10 or 10 < rounds[0] <= most), rounds
+    f = DiLoCoXConfig().slow_link_fragments
+    assert rounds[0] == rounds[1] and (rounds[0] == 20 or 20 < rounds[0] <= 20 * f + f), rounds
 
 
 def test_a_round_that_stops_the_run_raises_at_the_next_step_and_the_script_exits_non_zero():
