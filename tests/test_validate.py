@@ -19,18 +19,25 @@ def load_validate():
     return module
 
 
-def test_validate_cpu_form_runs_dense_and_moe_and_agrees(kjv, tmp_path):
+def test_validate_cpu_form_runs_every_configuration_and_agrees(kjv, tmp_path):
+    """Every configuration the first lent GPU will run (scripts/gpu/validate.py: dense, MoE, three sites by the
+    tagged reduce-scatter, two layouts in the canonical layout with per-site rounds), in the CPU form: exit codes
+    0, the same global model on every cluster every round, the bytes of every round the closed form, loss falling."""
     proc = subprocess.run(["bash", "scripts/gpu/validate.sh", "--cpu", "--data", str(kjv), "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("VALIDATE "))[9:])
     assert summary["device"] == "cpu" and summary["ok"]
-    assert [r["config"] for r in summary["results"]] == ["dense", "moe"]
+    assert [r["config"] for r in summary["results"]] == ["dense", "moe", "three-sites", "canonical"]
     for r in summary["results"]:
-        assert r["exit_codes"] == [0, 0] and r["problems"] == []
-        assert r["hashes"][0] == r["hashes"][1] and len(set(r["hashes"][0])) == 2  # 8 iterations, H = 4
-        assert r["bytes_sent"] == [[r["closed_form_bytes"][c]] * 2 for c in range(2)]
+        clusters = 3 if r["config"] == "three-sites" else 2
+        assert r["exit_codes"] == [0] * clusters and r["problems"] == []
+        assert all(h == r["hashes"][0] for h in r["hashes"]), r["config"]
+        if r["config"] != "canonical":  # (per-site rounds on sites of two speeds: as many rounds as the plan gives)
+            assert len(set(r["hashes"][0])) == 2, r["config"]  # 8 iterations, H = 4
+        rounds = len(r["hashes"][0])
+        assert rounds >= 1 and r["bytes_sent"] == [[r["closed_form_bytes"][c]] * rounds for c in range(clusters)]
         assert all(last < first - 0.5 for first, last in r["first_last_loss"])
     assert "exposed" in proc.stdout and "planner DiLoCoX state per GPU" in proc.stdout
 
@@ -52,6 +59,15 @@ def test_any_disagreement_fails_validation():
     assert v.problems(flat, 2, 2) == ["cluster 1: loss did not fall (8.0 -> 8.1)"]
     assert v.problems(good, 4, 2)[0] == "cluster 0 rounds [1], expected 1..2"
     assert v.problems(dict(good, exit_codes=[0, 1]), 2, 2) == ["exit codes [0, 1]"]
+    three = dict(good, exit_codes=[0, 0, 0], rows=[[dict(row)], [dict(row)], [dict(row, global_model_hash="c")]],
+                 layouts=[{0: {"round_bytes": 100}}] * 3, losses=good["losses"] + [{1: 8.0, 2: 7.0}])
+    assert v.problems(three, 2, 2) == ["global-model hashes differ between the clusters"]  # (the third counts too)
+    per_site = copy.deepcopy(good)  # per-site rounds: R from the run, the same R everywhere; layouts may differ
+    per_site["layouts"] = [{0: {"round_bytes": 100}}, {0: {"round_bytes": 100}, 1: {"round_bytes": 0}}]
+    per_site["losses"][1] = {1: 8.0, 3: 7.0}  # (a site of another speed trains other iterations)
+    assert v.problems(per_site, 2, 2, per_site=True) == []
+    per_site["rows"][1].append(dict(row, round=2))
+    assert v.problems(per_site, 2, 2, per_site=True)[0] == "cluster 1 rounds [1, 2], expected 1..1"
 
 
 def test_gpu_form_without_a_gpu_says_to_use_cpu():

@@ -192,6 +192,9 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     adds 1 to one element of that cluster's global model once that round has been applied ("every": True: after
     every round from then on, as arithmetic that differs every round would)."""
     cluster = int(spec.get("as_cluster", {}).get(str(slot), slot))
+    if spec.get("off_host"):  # the model and its batches on a device that is not the host (tests/off_host.py)
+        from tests.off_host import install
+        install()
     if spec.get("start_after_kill", {}).get(str(slot)):  # a restart: only once the killed slot is gone
         while not os.path.exists(spec["start_after_kill"][str(slot)]):
             time.sleep(0.1)
@@ -216,6 +219,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     model = make_model(spec.get("init_seed", 0) + (0 if spec.get("same_init") else 17 * cluster) + local_rank)
     if spec.get("wrong_shape_on_cluster") == cluster:
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN + 1), torch.nn.Tanh(), torch.nn.Linear(HIDDEN + 1, OUT))
+    if spec.get("off_host"):
+        model.to("meta")
     inner = make_inner(model, spec.get("inner", "adam"), spec.get("inner_lr", 0.01))
     metrics = MetricsWriter(spec.get("metrics_dir") and f"{spec['metrics_dir']}/metrics_c{cluster}.jsonl")
     sync = make_sync([p.data for p in model.parameters()], cfg, group, TorchDistCluster(), metrics)
@@ -251,6 +256,8 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
                 with torch.no_grad():
                     next(model.parameters())[0, 0] = float("nan")
             x, y = batch(cluster, local_rank, step)
+            if spec.get("off_host"):
+                x, y = x.to("meta"), y.to("meta")
             loss = loss_fn(model, x, y)
             inner.zero_grad()
             loss.backward()
@@ -294,7 +301,11 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
         out["failovers"] = list(getattr(group, "failovers", []))  # (lost, back) wall times, standalone
         out["injected_failure"] = FlakyGroup.failed
         out["received"] = RecordingGroup.received
+        out["devices"] = sorted({str(p.device) for p in model.parameters()} | {str(a.device) for a in sync.anchor})
         sync.close()
+    if spec.get("off_host"):  # (the parent has no OffHost: hand back host tensors)
+        from torch.utils._pytree import tree_map
+        out = tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, out)
     return out
 
 

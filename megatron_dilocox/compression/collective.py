@@ -13,6 +13,15 @@ Authentication (compression/auth.py): a group with a ``key`` seals every message
 before returning it; the tag's bytes are counted like the payload's. An all-reduce mixes the senders' bytes, so
 it cannot be authenticated: the codec sends fp32 by reduce-scatter and all-gather instead when the group is
 keyed (compression/scatter.py).
+
+One wire, whatever the device: every tensor a public method is given is staged to host memory first (one copy,
+into pinned memory where CUDA is available), sealed, sent, received and opened there, and what it returns is
+moved back to the device it was given on (one copy). The private transfers (``_all_gather``, ``_all_to_all``,
+``_broadcast``, ``_all_reduce_sum``: what a group subclass implements) only ever see host tensors, and
+``_timed``, through which every one of them is called, refuses anything else (``OffHostTensor``), so a CPU test
+runs the code a GPU run runs except the two copies (tests/test_device_boundary.py drives it with tensors that
+report a CUDA device). Why host: gloo sends and receives CPU tensors only, and the tag reads the bytes through
+NumPy (docs/security.md#authenticated-payloads).
 """
 from __future__ import annotations
 
@@ -24,6 +33,33 @@ from typing import Optional
 import torch
 
 from megatron_dilocox.compression.auth import TAG_BYTES, ForgedPayload, seal, unseal
+
+
+class OffHostTensor(TypeError):
+    """A tensor reached the wire between sites off the host: a bug in this package, not a transport failure (so
+    it is not retried or taken for a lost peer: it is a TypeError, which the exchange does not catch)."""
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous host tensor: itself if it is one already, else one copy (into pinned memory when CUDA
+    is available, so the copy runs at the link's full speed)."""
+    if t.device.type == "cpu":
+        return t.contiguous()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return host.copy_(t)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor ``t`` back on ``device`` (itself when that is the host)."""
+    return t if torch.device(device).type == "cpu" else t.to(device)
+
+
+def _host_only(args):
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                raise OffHostTensor(f"DiLoCoX: a tensor on {t.device} reached the inter-cluster wire; everything "
+                                    "between sites is staged to host memory first (compression/collective.py)")
 
 
 def allgather_bytes(payload_bytes: int, size: int) -> int:
@@ -67,23 +103,24 @@ class Collective:
         """Every member's ``buf`` (all the same size), in member order. ``context`` (round, fragment, kind):
         authenticate the messages when the group is keyed."""
         sealed = self.authenticated and context is not None
-        me = self.cluster_of(self.rank)
-        out = buf.contiguous().view(torch.uint8).reshape(-1) if sealed else buf
+        me, device, buf = self.cluster_of(self.rank), buf.device, to_host(buf)
+        out = buf.view(torch.uint8).reshape(-1) if sealed else buf
         if sealed:
             out = seal(self.key, context, me, -1, out)
         self.counter.add(allgather_bytes(out.numel() * out.element_size(), self.size))
         got = self._timed(self._all_gather, out)
-        if not sealed:
-            return got
-        return [buf if g == self.rank else self._open(context, g, -1, m, buf).view(buf.dtype).view(buf.shape)
-                for g, m in enumerate(got)]
+        if sealed:
+            got = [buf if g == self.rank else self._open(context, g, -1, m, buf).view(buf.dtype).view(buf.shape)
+                   for g, m in enumerate(got)]
+        return [to_device(g, device) for g in got]
 
     def all_to_all(self, pieces: list[torch.Tensor], sizes_in: list[int],
                    context: Optional[tuple] = None) -> list[torch.Tensor]:
         """Member j gets ``pieces[j]`` (flat uint8); returns what each member sent to this one, in member order,
         ``sizes_in[g]`` bytes from member g (before tags). Counted: every piece but this member's own."""
         sealed = self.authenticated and context is not None
-        me = self.cluster_of(self.rank)
+        me, device = self.cluster_of(self.rank), pieces[self.rank].device
+        pieces = [to_host(p) for p in pieces]
         if sealed:
             pieces = [p if j == self.rank else seal(self.key, context, me, self.cluster_of(j), p)
                       for j, p in enumerate(pieces)]
@@ -91,9 +128,9 @@ class Collective:
         self.counter.sent += sum(p.numel() for j, p in enumerate(pieces) if j != self.rank)
         self.counter.received += sum(n for g, n in enumerate(sizes_in) if g != self.rank)
         got = self._timed(self._all_to_all, pieces, sizes_in)
-        if not sealed:
-            return got
-        return [m if g == self.rank else self._open(context, g, me, m, None) for g, m in enumerate(got)]
+        if sealed:
+            got = [m if g == self.rank else self._open(context, g, me, m, None) for g, m in enumerate(got)]
+        return [to_device(g, device) for g in got]
 
     def _open(self, context, g: int, receiver: int, message: torch.Tensor, stand_in):
         """A received message's payload; one that does not verify raises, or inside ``deferred_refusals`` is
@@ -127,11 +164,14 @@ class Collective:
         """Elementwise sum over members; bitwise identical on every member. Never authenticated (it mixes the
         members' bytes): the codec uses it only for untagged fp32 (averaging.py: ``scheme_at``), the hand-over
         as a completion signal. ``timeout``: seconds instead of the group's."""
+        device, buf = buf.device, to_host(buf)
         self.counter.add(allreduce_bytes(buf.numel() * buf.element_size(), self.size))
-        return self._timed(self._all_reduce_sum, buf, timeout)
+        return to_device(self._timed(self._all_reduce_sum, buf, timeout), device)
 
     def _timed(self, fn, *args):
-        """``fn(*args)``, its wall time added to the counter (the wire, and any wait for a peer)."""
+        """``fn(*args)``, its wall time added to the counter (the wire, and any wait for a peer). Every transfer
+        between sites passes here: host tensors only."""
+        _host_only(args)
         t0 = time.perf_counter()
         try:
             return fn(*args)
@@ -144,6 +184,7 @@ class Collective:
         source sending one copy to each other member. ``timeout``: seconds for this transfer instead of the
         group's (a large state over a slow link: outer/handover.py)."""
         sealed = self.authenticated and context is not None
+        device, buf = buf.device, to_host(buf)
         flat = buf
         if sealed:  # the source seals; the others receive into a buffer of the same size
             raw = buf.contiguous().view(torch.uint8).reshape(-1)
@@ -155,9 +196,10 @@ class Collective:
         else:
             self.counter.received += n
         got = self._timed(self._broadcast, flat, src, timeout)
-        if not sealed or self.rank == src:
-            return got if not sealed else buf.clone()
-        return unseal(self.key, context, self.cluster_of(src), -1, got).view(buf.dtype).view(buf.shape)
+        if sealed:
+            got = buf.clone() if self.rank == src else \
+                unseal(self.key, context, self.cluster_of(src), -1, got).view(buf.dtype).view(buf.shape)
+        return to_device(got, device)
 
     # membership (a fixed group: every round commits; InterClusterGroup overrides these)
     elastic = False

@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 from megatron_dilocox.compression.auth import ForgedPayload
+from megatron_dilocox.compression.collective import OffHostTensor
 from megatron_dilocox.compression.codec import ExchangeResult, PayloadError
 from megatron_dilocox.net.membership import ForgedVerdict, PeerLostError
 from megatron_dilocox.outer import repair
@@ -43,6 +44,8 @@ def settled(sync, round_idx: int, attempt: Callable[[], ExchangeResult], state_h
         except ForgedPayload as exc:  # (compression/auth.py) the sender is lost for this round
             result, outcome = None, f"forged:{exc.sender}:{exc}"
             log.error("%s", exc)
+        except OffHostTensor:  # a bug here, not the network: raised in the main thread at the landing
+            raise
         except Exception as exc:  # transport: a peer died, a link dropped, a timeout
             result, outcome = None, "fail"
             log.warning("DiLoCoX round %d: exchange failed on cluster %d: %s", round_idx, sync.cfg.cluster_id, exc)

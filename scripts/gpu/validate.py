@@ -1,12 +1,20 @@
-"""One-command validation of DiLoCoX on real Megatron: a dense and an MoE GPT, 2 clusters as 2 processes.
+"""One-command validation of DiLoCoX on real Megatron: what a GPU run takes that the CPU tests cannot prove.
 
-GPU form (default): both clusters share GPU 0, Transformer Engine, bf16, TE grouped-GEMM experts
-(``--moe-grouped-gemm``); about 5 minutes on one GPU. ``--cpu``: the same runs on CPU with the local
-implementation (SequentialMLP experts), a smaller model and fewer iterations; CI runs it
-(``tests/test_validate.py``). Both print, per configuration: losses, the global-model hash of every round
-on every cluster, bytes sent against the codec's closed form and dense fp32, exposed communication, and
-peak GPU memory next to Megatron's own estimate and the planner's DiLoCoX-state figure. The last line is
-``VALIDATE {json}``; the exit status is 1 on any disagreement (hashes, bytes, rounds, loss not falling).
+Configurations (``--configs``, default all), every one with payload authentication on (the launcher's secret):
+
+    dense        2 clusters x 1 process, a dense GPT with the 107B shape's features (GQA, SwiGLU, RMSNorm, untied)
+    moe          2 clusters x 1 process, an MoE GPT (TE grouped GEMM on GPU)
+    three-sites  3 clusters x 1 process, dense: the pairwise reduce-scatter (gloo send/recv between sites) with a
+                 tag on every message, each site's device tensors staged through host memory
+    canonical    2 clusters of different layouts (1 process; PP2 in 2 processes), ``--dilocox-exchange-layout
+                 canonical``, per-site rounds (the default): the layout gather/scatter on the device's own groups
+
+GPU form (default): every process on GPU 0, Transformer Engine, bf16; about 10 minutes on one GPU. ``--cpu``: the
+same runs on CPU with the local implementation, a smaller model and fewer iterations (CI runs dense and moe:
+``tests/test_validate.py``). Both print, per configuration: losses, the global-model hash of every round on every
+cluster, bytes sent against the codec's closed form and dense fp32, exposed communication, and peak GPU memory
+next to Megatron's own estimate and the planner's DiLoCoX-state figure. The last line is ``VALIDATE {json}``; the
+exit status is 1 on any disagreement (hashes, bytes, rounds, loss not falling).
 """
 from __future__ import annotations
 
@@ -33,6 +41,14 @@ SIZES = {  # (hidden, layers, heads, seq, iters, H, micro batch, global batch)
     "cpu": dict(hidden=64, layers=2, heads=4, seq=64, iters=8, h=4, mbs=2, gbs=8),
 }
 RANK, BITS, BLOCK, MIN_DIM, VOCAB, EXPERTS = 4, 4, 64, 32, 4096, 4
+CONFIGS = {  # model, clusters, processes per cluster where not 1, flags per cluster, DiLoCoX flags, per-site rounds
+    "dense": dict(model="dense", clusters=2),
+    "moe": dict(model="moe", clusters=2),
+    "three-sites": dict(model="dense", clusters=3,  # (the corpus has two sites' shards: the third trains on both)
+                        per_cluster={2: ["--train-data-path", "{data}/train_all_text_document"]}),
+    "canonical": dict(model="dense", clusters=2, nproc={1: 2}, per_cluster={1: ["--pipeline-model-parallel-size", "2"]},
+                      dilocox=["--dilocox-exchange-layout", "canonical"], per_site=True),
+}
 MEMORY_RE = re.compile(r"memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)")
 THEORY_RE = re.compile(r"Theoretical memory footprints: weight and optimizer=([\d.]+) MB")
 
@@ -58,20 +74,22 @@ def megatron_flags(data: str, size: dict, gpu: bool, config: str) -> list[str]:
     return flags
 
 
-def dilocox_flags(out: str, size: dict) -> list[str]:
+def dilocox_flags(out: str, size: dict, spec: dict) -> list[str]:
+    """Fixed H and rank, so that the rounds are known: per-site rounds (the default) give every site the same H
+    when the sites run at the same speed; ``per_site`` configurations have sites that do not."""
     return ["--dilocox-h", str(size["h"]), "--dilocox-lowrank-rank", str(RANK), "--dilocox-lowrank-min-dim",
             str(MIN_DIM), "--dilocox-quant-bits", str(BITS), "--dilocox-quant-block-size", str(BLOCK),
             "--dilocox-no-adaptive-h", "--dilocox-no-adaptive-rank",
-            "--dilocox-metrics-file", f"{out}/metrics_c{{cluster}}.jsonl"]
+            "--dilocox-metrics-file", f"{out}/metrics_c{{cluster}}.jsonl"] + spec.get("dilocox", [])
 
 
-def planner(size: dict, config: str) -> dict:
+def planner(size: dict, spec: dict) -> dict:
     """The planner's prediction for the run's shape (1 GPU per cluster): DiLoCoX state per GPU, bytes."""
-    moe = config != "dense"
+    moe = spec["model"] == "moe"
     s = cost_model.Setup(hidden=size["hidden"], layers=size["layers"],
                          ffn=4 * size["hidden"] if moe else 64 * int(8 * size["hidden"] / 3 / 64), vocab=VOCAB,
                          heads=size["heads"], kv_heads=None if moe else size["heads"] // 2, swiglu=not moe,
-                         tied_embeddings=moe, bias=False, experts=EXPERTS if moe else 0, topk=2, clusters=2, tp=1,
+                         tied_embeddings=moe, bias=False, experts=EXPERTS if moe else 0, topk=2, clusters=spec["clusters"], tp=1,
                          pp=1, dp=1, h=size["h"], rank=RANK, bits=BITS, block=BLOCK, min_dim=MIN_DIM)
     return cost_model.predict(s)
 
@@ -79,7 +97,7 @@ def planner(size: dict, config: str) -> dict:
 def summarize(config: str, codes: list, logs: list, out: str, gpu: bool) -> dict:
     """Everything the run showed, and the list of disagreements (empty = pass)."""
     rows = [read_rows(f"{out}/metrics_c{c}.jsonl") if os.path.exists(f"{out}/metrics_c{c}.jsonl") else []
-            for c in range(2)]
+            for c in range(len(codes))]
     layouts = [{x["rank"]: x for x in (json.loads(ln.split("DiLoCoX layout ", 1)[1]) for ln in log.lines
                                        if "DiLoCoX layout {" in ln)} for log in logs]
     peak = [max((float(m.group(2)) for ln in log.lines if (m := MEMORY_RE.search(ln))), default=None)
@@ -90,34 +108,39 @@ def summarize(config: str, codes: list, logs: list, out: str, gpu: bool) -> dict
             "valid_losses": [log.valid_losses for log in logs], "peak_mb": peak, "megatron_weight_optimizer_mb": theory}
 
 
-def problems(result: dict, iters: int, h: int) -> list[str]:
-    """The disagreements validate exits 1 on."""
+def problems(result: dict, iters: int, h: int, per_site: bool = False) -> list[str]:
+    """The disagreements validate exits 1 on. ``per_site``: each site's H and iterations follow the token plan, so
+    the rounds are 1..R for the same R everywhere (not iters / h) and each site's loss falls over what it trained;
+    the sites' layouts differ by design."""
     bad = []
-    if result["exit_codes"] != [0, 0]:
-        return [f"exit codes {result['exit_codes']}"]
+    codes = result["exit_codes"]
+    if codes != [0] * len(codes):
+        return [f"exit codes {codes}"]
     rows, layouts, losses = result["rows"], result["layouts"], result["losses"]
-    rounds = iters // h
-    for c in range(2):
-        if [r["round"] for r in rows[c]] != list(range(1, rounds + 1)):
+    rounds = len(rows[0]) if per_site else iters // h
+    for c in range(len(codes)):
+        if [r["round"] for r in rows[c]] != list(range(1, rounds + 1)) or not rounds:
             bad.append(f"cluster {c} rounds {[r['round'] for r in rows[c]]}, expected 1..{rounds}")
         if any(r["status"] != "applied" for r in rows[c]):
             bad.append(f"cluster {c}: a round was not applied")
-        if sorted(losses[c]) != list(range(1, iters + 1)) or not losses[c][iters] < losses[c][1]:
-            bad.append(f"cluster {c}: loss did not fall ({losses[c].get(1)} -> {losses[c].get(iters)})")
+        last = max(losses[c], default=0) if per_site else iters
+        if (not per_site and sorted(losses[c]) != list(range(1, iters + 1))) or not losses[c].get(last, 1e9) < \
+                losses[c].get(1, 0):
+            bad.append(f"cluster {c}: loss did not fall ({losses[c].get(1)} -> {losses[c].get(last)})")
         closed = sum(x["round_bytes"] for x in layouts[c].values())
         for r in rows[c]:
             if r["bytes_sent"] != closed:
                 bad.append(f"cluster {c} round {r['round']}: sent {r['bytes_sent']} B, closed form {closed} B")
-    if [r["global_model_hash"] for r in rows[0]] != [r["global_model_hash"] for r in rows[1]]:
+    if any([r["global_model_hash"] for r in rs] != [r["global_model_hash"] for r in rows[0]] for rs in rows):
         bad.append("global-model hashes differ between the clusters")
-    if layouts[0] != layouts[1]:
+    if not per_site and any(lay != layouts[0] for lay in layouts):
         bad.append("the clusters' per-rank layouts differ")
     return bad
 
 
 def report(result: dict, plan: dict):
     print(f"== {result['config']}")
-    for c in range(2):
+    for c in range(len(result["rows"])):
         ls = result["losses"][c]
         peak = "n/a on CPU" if result["peak_mb"][c] is None else f"{result['peak_mb'][c]} MB"
         print(f"  cluster {c}: loss {ls.get(1)} -> {ls.get(max(ls, default=0))}, validation "
@@ -137,7 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="run on CPU (CI); default: GPU 0 with Transformer Engine")
     ap.add_argument("--data", help="prepared corpus directory (default: built from KJV in a temporary directory)")
     ap.add_argument("--out", help="where runs write metrics (default: a temporary directory)")
-    ap.add_argument("--configs", default="dense,moe")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"any of {', '.join(CONFIGS)}")
     args = ap.parse_args(argv)
     prov = provenance()
     gpu = not args.cpu
@@ -151,6 +174,9 @@ def main(argv=None) -> int:
         except ImportError:
             print("validate: the GPU form needs Transformer Engine (the docker/ image has it)", file=sys.stderr)
             return 2
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        ap.error(f"--configs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS)}")
     size = SIZES["gpu" if gpu else "cpu"]
     out = args.out or tempfile.mkdtemp(prefix="dilocox_validate_")
     data = args.data or os.path.join(out, "data")
@@ -160,24 +186,30 @@ def main(argv=None) -> int:
     env = {"CUDA_VISIBLE_DEVICES": "0" if gpu else "", "WANDB_MODE": "offline"}
     results, failed = [], []
     for config in args.configs.split(","):
+        spec = CONFIGS[config]
         run_dir = os.path.join(out, config)
         os.makedirs(run_dir, exist_ok=True)
+        for c in range(spec["clusters"]):  # (metrics files append: a rerun into the same --out starts clean)
+            if os.path.exists(f"{run_dir}/metrics_c{c}.jsonl"):
+                os.remove(f"{run_dir}/metrics_c{c}.jsonl")
         t0 = time.time()
-        codes, logs = run(2, 1, megatron_flags(data, size, gpu, config), dilocox_args=dilocox_flags(run_dir, size),
-                          env=env, echo=False, timeout=900)
+        codes, logs = run(spec["clusters"], 1, megatron_flags(data, size, gpu, spec["model"]),
+                          dilocox_args=dilocox_flags(run_dir, size, spec), nproc_by_cluster=spec.get("nproc"),
+                          per_cluster_args={c: [a.replace("{data}", data) for a in flags]
+                                            for c, flags in spec.get("per_cluster", {}).items()}, env=env, echo=False, timeout=900)
         result = summarize(config, codes, logs, run_dir, gpu)
         result["wall_seconds"] = round(time.time() - t0, 1)
-        bad = problems(result, size["iters"], size["h"])
-        if codes != [0, 0]:
+        bad = problems(result, size["iters"], size["h"], spec.get("per_site", False))
+        if any(codes):
             print("\n".join("\n".join(log.lines[-30:]) for log in logs))
-        report(result, planner(size, config))
+        report(result, planner(size, spec))
         print(f"  {'OK' if not bad else 'DISAGREE: ' + '; '.join(bad)} ({result['wall_seconds']} s)")
         failed += [f"{config}: {b}" for b in bad]
         results.append({k: result[k] for k in ("config", "exit_codes", "peak_mb", "wall_seconds")} |
                        {"hashes": [[r["global_model_hash"] for r in rows] for rows in result["rows"]],
                         "bytes_sent": [[r["bytes_sent"] for r in rows] for rows in result["rows"]],
                         "closed_form_bytes": [sum(x["round_bytes"] for x in lay.values()) for lay in result["layouts"]],
-                        "first_last_loss": [[ls.get(1), ls.get(size["iters"])] for ls in result["losses"]],
+                        "first_last_loss": [[ls.get(1), ls.get(max(ls, default=0))] for ls in result["losses"]],
                         "problems": bad})
     print("VALIDATE " + json.dumps({"device": "gpu" if gpu else "cpu", "ok": not failed, **prov, "results": results}))
     return 1 if failed else 0
