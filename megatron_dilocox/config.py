@@ -306,9 +306,6 @@ class DiLoCoXConfig:
         need_int("fragments", 1)
         need_int("slow_link_fragments", 1)
         if self.fragments > 1:
-            if self.on_peer_failure == "continue":
-                fail("fragments", "needs --dilocox-on-peer-failure stop: a cluster rejoining a run in progress "
-                                  "takes one round's state, and fragments are F rounds in flight at once")
             if self.overlap == "eager":  # (validated before --dilocox-overlap itself: name what it is)
                 fail("fragments", "needs --dilocox-overlap one-step-delay (or none): eager's stand-in moves a "
                                   "fragment against the rest of the model at each of its boundaries (Python docs, "

@@ -128,8 +128,9 @@ def run_row(row: dict, corpus: str, tmp_path, slow_prefix):
         assert codes == [0, 0], failure_report([cl.logs[0]] + again.logs)
         assert any(REJOIN_RE.search(line) for line in again.logs[0].lines), failure_report(again.logs)
         survivor = {(r["round"], r.get("fragment", 0)): r["global_model_hash"] for r in metrics_rows(tmp_path, 0)}
-        joiner = metrics_rows(tmp_path, 1)[seen:]  # (a rejoin is refused with fragments: one hash per round)
-        assert joiner and all(survivor[(r["round"], 0)] == r["global_model_hash"] for r in joiner), (joiner, survivor)
+        joiner = metrics_rows(tmp_path, 1)[seen:]  # (with fragments: every fragment's rows, after fragment 0's round)
+        assert joiner and all(survivor[(r["round"], r.get("fragment", 0))] == r["global_model_hash"]
+                              for r in joiner), (joiner, survivor)
         return f"rejoined, {len(joiner)} rounds agreed after"
     finally:
         cl.stop()

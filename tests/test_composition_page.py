@@ -32,8 +32,8 @@ def test_the_rows_cover_every_pair_that_can_run_together_and_are_valid():
 
 def test_the_refusals_the_page_names_are_refused_before_training():
     base = dict(num_clusters=2, rendezvous="h:1", secret="s")
-    with pytest.raises(DiLoCoXConfigError, match="on-peer-failure stop"):
-        DiLoCoXConfig(**base, fragments=2, overlap="one-step-delay", on_peer_failure="continue").validate()
+    # (fragments under continue run: a rejoining site is handed every fragment's state, outer/handover.py)
+    DiLoCoXConfig(**base, fragments=2, overlap="one-step-delay", on_peer_failure="continue").validate()
     canonical = DiLoCoXConfig(**base, exchange_layout="canonical").validate()
     with pytest.raises(DiLoCoXConfigError, match="does not handle MoE"):
         check_supported(canonical, SimpleNamespace(num_experts=4))

@@ -141,3 +141,29 @@ def test_a_one_sided_transport_error_does_not_leave_the_peer_waiting_for_the_glo
     assert slowest["comm_seconds"] < TIMEOUT / 2, slowest  # the gloo timeout is TIMEOUT
     print(f"FAULT one-sided transport error (cluster 1): round {slowest['round']} retried, settled after "
           f"{slowest['comm_seconds']:.1f}s on cluster 0 (gloo timeout {TIMEOUT:.0f}s)")
+
+
+@pytest.mark.parametrize("per_site", [False, True])
+def test_a_restarted_cluster_rejoins_a_run_in_fragments_and_all_agree_again(per_site):
+    """--dilocox-fragments 2 under continue (the slow-link switch's setting): cluster 1 is killed before its step 6
+    and restarted 4 s later. It is admitted only after fragment 0's round (outer/streaming.py), handed both
+    fragments' state (a fragment whose last round the survivor had not applied yet comes with its Δ), and from
+    its first round on every (round, fragment) carries bitwise the same global model on both; the run ends with
+    one global model."""
+    res = train_clusters(3, may_die=(1,), steps=80, step_sleep=0.15, die={"slot": 1, "step": 6},
+                         as_cluster={"2": 1}, start_delay={"2": 4.0},
+                         dilocox=spec(2, fragments=2, overlap="one-step-delay", on_peer_failure="continue",
+                                      timeout_seconds=2 * TIMEOUT, per_site_h=per_site, adaptive_h=per_site))
+    a, j = res[(0, 0)], res[(2, 0)]
+    assert a["error"] is None and j["error"] is None, (a["error"], j["error"])
+    assert j["joined_midrun"] and j["cluster"] == 1 and j["first_iteration"] > 6
+    counts = [r["num_clusters"] for r in a["rows"]]
+    assert 1 in counts and counts[-1] == 2, counts  # alone for a while, two again after the rejoin
+    mine = {(r["round"], r["fragment"]): r["global_model_hash"] for r in j["rows"]}
+    theirs = {(r["round"], r["fragment"]): r["global_model_hash"] for r in a["rows"]}
+    assert {f for _, f in mine} == {0, 1} and all(theirs[k] == v for k, v in mine.items()), (mine, theirs)
+    assert max(mine) == max(theirs)
+    assert a["final_hash"] == j["final_hash"]
+    assert all(torch.equal(x, y) for x, y in zip(a["final_anchor"], j["final_anchor"])) and finite(j["final_anchor"])
+    print(f"FAULT kill cluster 1 + restart (continue, 2 fragments, per-site H {per_site}): rejoined at iteration "
+          f"{j['first_iteration']}, {counts.count(1)} rows alone, then hashes equal for {len(mine)} rows")

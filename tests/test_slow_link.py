@@ -59,9 +59,10 @@ def test_make_sync_may_switch_only_where_fragments_are_allowed():
                   dict(h=10, slow_link_fragments=4, overlap_steps=10),  # τ fixed: fragments would land as late
                   dict(h=10, h_min=3, slow_link_fragments=4),  # a fragment's round needs H >= F
                   dict(h=7),  # the same for the default 8 fragments
-                  dict(h=10, slow_link_fragments=4, on_peer_failure="continue"),  # a rejoin takes one round
                   dict(h=10, slow_link_fragments=200)):  # more fragments than the test network's rows
         assert type(make_sync(params, DiLoCoXConfig(**never))) is DiLoCoXSync, never
+    # under continue too: a rejoining site is handed every fragment's state (outer/handover.py)
+    assert type(make_sync(params, DiLoCoXConfig(h=10, on_peer_failure="continue"))) is SlowLinkSync
     fixed = make_sync(params, DiLoCoXConfig(h=10, fragments=2, overlap="one-step-delay", slow_link_fragments=4))
     assert type(fixed) is StreamingSync and len(fixed.fragments) == 2
 
@@ -247,3 +248,30 @@ def test_per_site_h_on_a_slow_link_switches_every_site_together_and_ends_at_the_
     assert 2 * steps - last / 2 <= tokens(0) <= 2 * steps + last, (tokens(0), last)  # (the clock ends within half
     # a round of the total: outer/clock.py)
     assert tokens(1) == tokens(0, since=rows[0][switched[0]]["round"])
+
+
+@pytest.mark.core
+def test_a_site_restarted_after_the_switch_rejoins_as_fragments_and_agrees(tmp_path):
+    """The slow-link switch under --dilocox-on-peer-failure continue: two clusters switch to 2 fragments as in the
+    test above (every all-gather delayed 0.3 s, steps of 0.05 s, H = 8); cluster 1 is then SIGKILLed (before its
+    step 40) and restarted. The restarted process starts unfragmented, learns from the hand-over that the run
+    goes as 2 fragments, switches and takes both fragments' state; from its first row on, every (round, fragment)
+    carries the same global-model hash on both, and both end with one global model."""
+    flag = str(tmp_path / "killed")
+    res = train_clusters(3, may_die=(1,), steps=72, step_sleep=0.05, slow_gather=0.3, timeout=300,
+                         die={"slot": 1, "step": 40, "flag": flag}, as_cluster={"2": 1},
+                         start_after_kill={"2": flag},
+                         dilocox=dilocox_spec(2, h=8, overlap_steps=0, lowrank=False, quant_bits=4, quant_block_size=32,
+                                              slow_link_fragments=2, on_peer_failure="continue",
+                                              timeout_seconds=16))
+    a, j = res[(0, 0)], res[(2, 0)]
+    assert a["error"] is None and j["error"] is None, (a["error"], j["error"])
+    assert j["joined_midrun"] and j["cluster"] == 1
+    survivor = {(r["round"], r["fragment"]): r for r in a["rows"]}
+    joiner = {(r["round"], r["fragment"]): r for r in j["rows"]}
+    first_fragment_row = min(k for k in survivor if k[1] == 1)
+    assert min(joiner) > first_fragment_row, (sorted(joiner), first_fragment_row)  # it rejoined after the switch
+    assert {f for _, f in joiner} == {0, 1} and [r["num_clusters"] for r in a["rows"]][-1] == 2
+    assert all(survivor[k]["global_model_hash"] == r["global_model_hash"] for k, r in joiner.items()), \
+        [(k, survivor[k]["global_model_hash"], r["global_model_hash"]) for k, r in sorted(joiner.items())]
+    assert a["final_hash"] == j["final_hash"]

@@ -56,7 +56,6 @@ def test_make_sync_picks_streaming_only_for_more_than_one_fragment():
     (dict(h=3, fragments=4, overlap="none"),
      r"--dilocox-fragments: needs --dilocox-h and --dilocox-h-min >= 4.*H = 3, H min = 3"),
     (dict(h=8, h_min=2, fragments=4, overlap="one-step-delay"), r"H = 8, H min = 2"),
-    (dict(h=8, fragments=2, overlap="none", on_peer_failure="continue"), r"needs --dilocox-on-peer-failure stop"),
 ])
 def test_config_refuses_what_fragments_cannot_do(bad, match):
     with pytest.raises(DiLoCoXConfigError, match=match):

@@ -207,7 +207,7 @@ class Collective:
 
     def settle(self, round_idx: int, outcome: str, attempt_end: float) -> dict:
         """The outcome every member agrees on for this round's exchange (see net/membership.py)."""
-        if outcome != "ok":
+        if outcome.partition("/")[0] != "ok":  # ("ok/hold": ok, no joiner admitted; a fixed group admits none)
             raise RuntimeError(f"DiLoCoX round {round_idx}: exchange failed ({outcome}) in a fixed group")
         return {"action": "commit", "admitted": [], "lost": [], "reason": ""}
 

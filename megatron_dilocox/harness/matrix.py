@@ -25,8 +25,8 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "sites": ("equal", "half-core"),  # both unthrottled, or site 1 at half a core (a cgroup CPU quota)
 }
 
-# pairs of levels that cannot run together today, and why; a pair that only fails through a third factor (rejoin
-# with fragments: a rejoin needs continue, fragments need stop) is found by ``excluded()`` and named with its cause
+# pairs of levels that cannot run together today, and why; a pair that only fails through a third factor is found by
+# ``excluded()`` and named with its cause
 APART: dict[frozenset, str] = {
     frozenset({("event", "rejoin"), ("policy", "stop")}):
         "impossible: under stop a lost site stops the run (saving), so nothing is left to rejoin; a restart of "
@@ -36,9 +36,6 @@ APART: dict[frozenset, str] = {
     frozenset({("layout", "canonical"), ("link", "slow")}):
         "refused before training: the canonical exchange needs --dilocox-fragments 1, and the slow-link switch "
         "stays off with it (outer/auto.py)",
-    frozenset({("link", "slow"), ("policy", "continue")}):
-        "refused before training: fragments need --dilocox-on-peer-failure stop (a rejoining site is handed one "
-        "unfragmented state), and the slow-link switch stays off under continue (outer/auto.py)",
 }
 
 # what a level costs in a run, to break ties toward cheaper rows (seconds of the tiny GPT on the 2-core host, roughly)

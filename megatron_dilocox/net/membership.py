@@ -3,12 +3,15 @@
 A gloo collective cannot tell a live peer that failed from one that died, and two members can see
 different outcomes of the same collective (one finished the all-gather, the other's link dropped).
 So no round is applied on the strength of a local success alone. After each exchange attempt every
-rank of every member posts a vote (``ok``, ``fail`` = transport error or timeout, ``refused:<why>`` =
+rank of every member posts a vote (``ok``; ``ok/hold`` = ok, but admit no joiner at this attempt; ``fail`` =
+transport error or timeout, ``refused:<why>`` =
 a payload refused by the header checks, ``forged:<sender>:<why>`` = a message whose authentication tag does not
 verify, compression/auth.py) and cluster 0's local rank 0 — the coordinator, which hosts
 the store — publishes one verdict for all:
 
-    commit   every rank of every member voted ok            -> apply the round (admit joiners after it)
+    commit   every rank of every member voted ok            -> apply the round (admit joiners after it, unless
+                                                               a vote holds them: a fragment other than the
+                                                               first, outer/streaming.py)
     retry    a member is lost (no votes and no heartbeat,   -> policy continue: survivors form a new
              or its payload's tag did not verify), or an       group (next epoch) and redo the round
              attempt failed with everyone present
@@ -52,6 +55,8 @@ from torch.distributed import PrefixStore, TCPStore
 from megatron_dilocox.net.rendezvous import mac
 
 MAX_RETRIES = 3  # consecutive failed attempts with every member present before the run stops
+HOLD = "ok/hold"  # an ok vote at an attempt after which no joiner may be admitted
+OK = ("ok", HOLD)
 
 
 class PeerLostError(RuntimeError):
@@ -211,7 +216,7 @@ class Membership:
                     raise PeerLostError(f"lost the rendezvous host, cluster 0 (round {round_idx}): {exc}") from exc
                 self.use_store(self.reconnect())  # the same vote, to the restarted coordinator (or standby)
         self.pending, self.last = None, (key, verdict)
-        if verdict["action"] == "commit" and outcome != "ok":  # every member voted ok: not this one's vote
+        if verdict["action"] == "commit" and outcome not in OK:  # every member voted ok: not this one's vote
             raise ForgedVerdict(f"round {round_idx} was committed although this cluster's attempt was not ok "
                                 f"({outcome.partition(':')[0]}): its vote in the rendezvous store was replaced; "
                                 f"nothing was applied; stopping. Let only your own sites reach the rendezvous port "
@@ -286,13 +291,13 @@ class Membership:
             verdict.update(action="stop" if self.policy == "stop" else "retry",
                            members=[c for c in self.members if c not in missing], epoch=self.epoch + 1,
                            reason="; ".join(why))
-        elif any(v != "ok" for v in votes):
+        elif any(v not in OK for v in votes):
             self._retries += 1
             verdict.update(action="retry" if self._retries < MAX_RETRIES else "stop", epoch=self.epoch + 1,
                            reason=f"the exchange failed {self._retries} time(s) with every cluster present")
         if verdict["action"] == "commit":
             self._retries = 0
-            if self.policy == "continue":
+            if self.policy == "continue" and HOLD not in votes:
                 verdict["admitted"] = self._admit()
                 if verdict["admitted"]:
                     verdict.update(members=sorted(self.members + verdict["admitted"]), epoch=self.epoch + 1)

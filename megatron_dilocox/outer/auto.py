@@ -33,7 +33,7 @@ import logging
 from typing import Optional
 
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError, flag_name
-from megatron_dilocox.outer import plan
+from megatron_dilocox.outer import handover, plan
 from megatron_dilocox.outer.streaming import StreamingSync, split_fragments
 from megatron_dilocox.outer.sync import DiLoCoXSync
 
@@ -54,7 +54,7 @@ def make_sync(params, config: DiLoCoXConfig, *args, **kwargs):
 def fragments_config(config: DiLoCoXConfig, shapes) -> Optional[DiLoCoXConfig]:
     """The settings this run switches to on a slow link, or None when it never may: --dilocox-slow-link-fragments
     1, no overlap (nothing to hide), no link budget (no rounds sent whole by measurement), a fixed τ, or
-    settings that fragments refuse (H min below F, a rejoin policy, too few rows)."""
+    settings that fragments refuse (H min below F, too few rows)."""
     count = config.slow_link_fragments
     if count <= 1 or config.fragments > 1 or config.overlap == "none" or not config.link_budget \
             or config.overlap_steps != 0 or config.exchange_layout == "canonical":
@@ -83,6 +83,15 @@ class SlowLinkSync:
         return self.streaming or self.single
 
     def start(self):
+        if self.single.group.joining:  # (the members may have switched: the hand-over says how many fragments)
+            count = handover.receive_count(self.single.group)
+            if count > 1:
+                self.streaming = StreamingSync.succeeding(self.single, self.fragmented)
+                self.switched_at = self.single.iteration
+                self.streaming.join(count)
+                return self
+            self.single.joined(handover.receive([self.single], count)[0])
+            return self
         self.single.start()
         return self
 

@@ -22,6 +22,8 @@ had the state, its first send there timed out and two healthy clusters were drop
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_dilocox.compression.codec import ExchangeResult
@@ -30,8 +32,10 @@ from megatron_dilocox.outer.nesterov import OuterNesterov
 
 _HEADER = ("round", "iteration", "h", "rank", "has_momentum", "has_deltas", "next_rank", "peer_comm_seconds",
            "peer_step_seconds", "num_clusters", "tau", "q_rank", "peer_seconds_per_byte", "round_tokens",
-           "end_requested", "shared_h", "shared_tau", "launched_tokens", "plans_left", "repairs_in_a_row") + tuple(f"clock.{k}" for k in RunClock.FIELDS)
-HEAD, STATE = (0, 0, "handover-head"), (0, 0, "handover")  # tag contexts (the key is the new epoch's)
+           "end_requested", "shared_h", "shared_tau", "launched_tokens", "plans_left", "repairs_in_a_row",
+           "launched_at") + tuple(f"clock.{k}" for k in RunClock.FIELDS)
+COUNT, HEAD, STATE = (0, 0, "handover-count"), (0, 0, "handover-head"), (0, 0, "handover")  # tag contexts (the
+# key is the new epoch's)
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -44,20 +48,43 @@ def transfer_timeout(sync, numel: int, seconds_per_byte: float) -> float:
     return sync.cfg.timeout_seconds + 4 * (sync.group.size - 1) * 4 * numel * max(seconds_per_byte, 0.0)
 
 
+def may_admit(sync) -> bool:
+    """Whether a joiner may be admitted after this round (its vote: net/membership.py). Unfragmented: always.
+    Fragments: at fragment 0's rounds only, each the last of a cycle in which every fragment's round follows the
+    last one the members committed, in the same order on every site (outer/streaming.py); and only once every
+    other fragment has committed a round in this process, so that each one's last committed round is known."""
+    return sync.fragment == 0 and all(f.committed is not None for f in sync.siblings if f is not sync)
+
+
 def send(sync, result: ExchangeResult, iteration: int):
-    """(Members) broadcast the state a joiner needs; called right after the group admitted it."""
-    buf, src = sync.outer.buf, getattr(sync.group, "handover_src", 0)
-    values = [result.round, iteration, sync.h, sync.codec.rank, buf is not None, result.deltas is not None,
-              result.next_rank, result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters, sync.tau,
-              sync.codec.q[0].shape[-1] if sync.codec.q else 0, result.peer_seconds_per_byte,
-              sum(result.member_tokens), result.end_requested, *sync.shared,
-              result.launched_tokens, sum(result.member_plans_left), sync.repairs_in_a_row] + sync.clock.as_floats()
-    sync.group.broadcast(torch.tensor([float(v) for v in values], dtype=torch.float64), src=src, context=HEAD)
-    parts = list(sync.anchor) + (list(buf) if buf is not None else []) + list(sync.codec.q) + list(result.deltas or [])
-    flat = _flat(parts)
-    timeout = transfer_timeout(sync, flat.numel(), result.peer_seconds_per_byte)
-    sync.group.broadcast(flat, src=src, context=STATE, timeout=timeout)
+    """(Members) broadcast the state a joiner needs, every fragment's (``sync.siblings``); called right after the
+    group admitted it, in the exchange thread. Each fragment's state as this site holds it: φ and momentum, Q, and
+    its last committed round's Δ when the main thread has not applied it yet (under the site's state lock, which
+    the main thread holds while it applies a round)."""
+    src, syncs = getattr(sync.group, "handover_src", 0), sync.siblings
+    with sync.state_lock:
+        parts = [_state(f, result if f is sync else f.committed, iteration) for f in syncs]
+    sync.group.broadcast(torch.tensor([float(len(syncs))], dtype=torch.float64), src=src, context=COUNT)
+    timeout = sync.cfg.timeout_seconds
+    for head, flat in parts:
+        sync.group.broadcast(head, src=src, context=HEAD)
+        timeout = transfer_timeout(sync, flat.numel(), result.peer_seconds_per_byte)
+        sync.group.broadcast(flat, src=src, context=STATE, timeout=timeout)
     _everyone_has_it(sync, timeout)
+
+
+def _state(f, result: ExchangeResult, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, state) of one fragment: copies, taken under the lock."""
+    buf = f.outer.buf
+    pending = result.deltas is not None and f.applied_round < result.round
+    values = [result.round, iteration, f.h, f.codec.rank, buf is not None, pending, result.next_rank,
+              result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters, f.tau,
+              f.codec.q[0].shape[-1] if f.codec.q else 0, result.peer_seconds_per_byte, sum(result.member_tokens),
+              result.end_requested, *f.shared, result.launched_tokens, sum(result.member_plans_left),
+              f.repairs_in_a_row, result.launched_at] + f.clock.as_floats()
+    parts = list(f.anchor) + (list(buf) if buf is not None else []) + list(f.codec.q) + \
+        (list(result.deltas) if pending else [])
+    return torch.tensor([float(v) for v in values], dtype=torch.float64), _flat(parts)
 
 
 def _everyone_has_it(sync, timeout: float):
@@ -65,8 +92,29 @@ def _everyone_has_it(sync, timeout: float):
     sync.group.all_reduce_sum(torch.zeros(1), timeout=timeout)
 
 
-def receive(sync) -> ExchangeResult:
-    """(Joiner) take the members' state; returns round t's committed result, to be applied as they do."""
+def receive_count(group) -> int:
+    """(Joiner) how many fragments the members sync in: the hand-over's first message."""
+    src = getattr(group, "handover_src", 0)
+    return int(group.broadcast(torch.zeros(1, dtype=torch.float64), src=src, context=COUNT).item())
+
+
+def receive(syncs, count: Optional[int] = None) -> list[Optional[ExchangeResult]]:
+    """(Joiner) take the members' state into ``syncs`` (one per fragment); returns each one's committed round not
+    yet applied (None where the members had applied it), to be applied as they do."""
+    group = syncs[0].group
+    count = receive_count(group) if count is None else count
+    if count != len(syncs):
+        raise RuntimeError(f"DiLoCoX: the running clusters sync as {count} fragment(s), this cluster as {len(syncs)}; "
+                           f"give every cluster the same --dilocox-fragments and --dilocox-slow-link-fragments")
+    out, timeout = [], syncs[0].cfg.timeout_seconds
+    for sync in syncs:
+        result, timeout = _receive_one(sync)
+        out.append(result)
+    _everyone_has_it(syncs[0], timeout)
+    return out
+
+
+def _receive_one(sync) -> tuple[Optional[ExchangeResult], float]:
     src = getattr(sync.group, "handover_src", 0)
     head = dict(zip(_HEADER, sync.group.broadcast(torch.zeros(len(_HEADER), dtype=torch.float64), src=src,
                                                   context=HEAD).tolist()))
@@ -78,7 +126,6 @@ def receive(sync) -> ExchangeResult:
     sizes += numels if head["has_deltas"] else []
     timeout = transfer_timeout(sync, sum(sizes), head["peer_seconds_per_byte"])
     flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=src, context=STATE, timeout=timeout)
-    _everyone_has_it(sync, timeout)
     pieces = iter(torch.split(flat, sizes))
     shapes = [p.shape for p in sync.params]
     sync.anchor = [next(pieces).view(s).to(sync.outer_device).clone() for s in shapes]
@@ -90,17 +137,19 @@ def receive(sync) -> ExchangeResult:
     codec.error = [torch.zeros_like(e) for e in codec.error]
     deltas = [next(pieces).view(s).clone() for s in shapes] if head["has_deltas"] else None
     sync.round, sync.iteration, sync.h = int(head["round"]), int(head["iteration"]), int(head["h"])
+    sync.applied_round = sync.round - (1 if deltas is not None else 0)
     sync.tau = int(head["tau"])  # the joiner lands round t's Δ at the same step τ as the members
     # per-site H: its own H and τ come with its first landing; until then the plan in the slowest site's steps
     sync.shared = (int(head["shared_h"]), int(head["shared_tau"]))
     sync.h, sync.tau = sync.shared if sync.cfg.per_site_h else (sync.h, sync.tau)
     sync.clock = RunClock.from_floats([head[f"clock.{k}"] for k in RunClock.FIELDS])
     sync.repairs_in_a_row = int(head["repairs_in_a_row"])  # (so the joiner stops after the same round as they do)
-    return ExchangeResult(round=sync.round, deltas=deltas, status="applied" if deltas is not None else
-                          "refused: (before this cluster rejoined)", num_clusters=int(head["num_clusters"]),
-                          rank=rank, next_rank=int(head["next_rank"]), launched_at=sync.iteration,
+    if deltas is None:
+        return None, timeout
+    return ExchangeResult(round=sync.round, deltas=deltas, status="applied", num_clusters=int(head["num_clusters"]),
+                          rank=rank, next_rank=int(head["next_rank"]), launched_at=int(head["launched_at"]),
                           peer_comm_seconds=head["peer_comm_seconds"], peer_step_seconds=head["peer_step_seconds"],
                           peer_seconds_per_byte=head["peer_seconds_per_byte"],
                           member_tokens=[head["round_tokens"]], end_requested=bool(head["end_requested"]),
                           launched_tokens=head["launched_tokens"],  # (the outer lr's warm-up reads it)
-                          member_plans_left=[head["plans_left"]])
+                          member_plans_left=[head["plans_left"]]), timeout

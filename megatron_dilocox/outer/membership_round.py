@@ -23,8 +23,8 @@ from typing import Callable
 from megatron_dilocox.compression.auth import ForgedPayload
 from megatron_dilocox.compression.collective import OffHostTensor
 from megatron_dilocox.compression.codec import ExchangeResult, PayloadError
-from megatron_dilocox.net.membership import ForgedVerdict, PeerLostError
-from megatron_dilocox.outer import repair
+from megatron_dilocox.net.membership import HOLD, ForgedVerdict, PeerLostError
+from megatron_dilocox.outer import handover, repair
 
 log = logging.getLogger("megatron_dilocox")
 
@@ -35,7 +35,9 @@ def settled(sync, round_idx: int, attempt: Callable[[], ExchangeResult], state_h
         snapshot = sync.codec.snapshot()
         attempt_start = time.perf_counter()
         try:
-            result, outcome = attempt(), "ok"
+            # (fragments after the first hold joiners: one is admitted only where every fragment's round is done
+            # everywhere, at fragment 0's, the last of each cycle: outer/streaming.py)
+            result, outcome = attempt(), "ok" if handover.may_admit(sync) else HOLD
             if len(set(result.state_hashes)) > 1:
                 repair.fetch(sync, result, state_hash)
             result.transfer_seconds = max(0.0, time.perf_counter() - attempt_start - result.peer_wait_seconds)

@@ -18,13 +18,21 @@ steps in, so the boundaries stay H/F apart when H changes. The others take fragm
 it does (plan.follow); each keeps its own τ, and its own rank when fragment 0's is cut. At the end
 each fragment's partial round (the steps since its boundary) is sent, so the global model holds every step, as
 one unfragmented round at a multiple of H does.
-Not supported: a cluster rejoining a run in progress (--dilocox-on-peer-failure continue): refused by the config.
+
+A cluster rejoining a run in progress (--dilocox-on-peer-failure continue) is admitted only after fragment 0's
+round (outer/handover.py: ``may_admit``): on every site the exchanges run in one order, fragments 1 .. F−1 then 0
+in each cycle, so after fragment 0's the next exchange of every fragment is the round after the last one the
+members committed. The joiner is handed every fragment's state as of that round (a fragment whose round the
+members have not applied yet comes with its Δ, applied when they apply it) and starts every fragment's round at
+once, so its fragments end their rounds in the same order (1 .. F−1 at their offsets, 0 at H).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import math
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -33,11 +41,12 @@ import torch
 from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import plan, report
+from megatron_dilocox.outer import handover, plan, report
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.sync import DiLoCoXSync
 
 
+log = logging.getLogger("megatron_dilocox")
 Piece = tuple[int, int, int]  # (tensor index, first row, end row): rows along dim 0 (a 0-d tensor: its one value)
 
 
@@ -103,6 +112,9 @@ class StreamingSync:
         for f in self.fragments:
             f.rows, f.exchange_spans = self.rows, self.exchange_spans
         self.lead = self.fragments[0]
+        lock = threading.Lock()  # (a joiner's hand-over reads every fragment's state: handover.send)
+        for f in self.fragments:
+            f.state_lock, f.siblings = lock, self.fragments
         # the link carries every fragment's transfer per H: each sizes its H to the whole model's, i.e. to its own
         # times the whole size over its size (elements: what a round sent whole is proportional to); fragments
         # 1.. follow fragment 0's plan (plan.py: its H, and whole when it sends whole)
@@ -162,10 +174,20 @@ class StreamingSync:
 
     def start(self):
         if self.group.joining:
-            raise RuntimeError("DiLoCoX: this cluster would rejoin a run in progress, which --dilocox-fragments > 1 "
-                               "does not support; restart every cluster from the last checkpoint")
+            return self.join()
         for f in self.fragments:
             f.start()
+        return self
+
+    @torch.no_grad()
+    def join(self, count: Optional[int] = None):
+        """(Admitted mid-run, after fragment 0's round) every fragment's state from the members (handover.py);
+        every fragment's round starts here."""
+        for f, result in zip(self.fragments, handover.receive(self.fragments, count)):
+            f.joined(result)
+        self.joined_midrun = True
+        log.warning("DiLoCoX cluster %d rejoined as %d fragments at round %d, iteration %d (H=%d)",
+                    self.cfg.cluster_id, len(self.fragments), self.lead.round, self.lead.iteration, self.lead.h)
         return self
 
     def plan_tokens(self, token_budget: float, tokens_per_step: float):

@@ -45,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import logging
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -135,6 +136,12 @@ class DiLoCoXSync:
         self._in_flight: Optional[concurrent.futures.Future] = None
         self._done: Optional[ExchangeResult] = None  # finished but not yet applied (after state_dict())
         self.exchange_spans: list[tuple[float, float]] = []  # wall-clock (start, end) of each exchange
+        # a joiner's hand-over (handover.py) reads every fragment's state in the exchange thread while the main
+        # thread may be applying another fragment's round: both hold this lock (one per site: StreamingSync's)
+        self.state_lock = threading.Lock()
+        self.applied_round = 0  # the last round applied here (main thread)
+        self.committed: Optional[ExchangeResult] = None  # the last round the members committed (exchange thread)
+        self.siblings: list[DiLoCoXSync] = [self]  # the rounds whose state a joiner is handed (every fragment)
         self.last_row: Optional[dict] = None
         self.rows: list[dict] = []  # every round's metrics row, in order (small dicts; one per round)
         self.stopped: Optional[str] = None  # why the run must stop (a peer lost under policy stop, ...)
@@ -183,20 +190,26 @@ class DiLoCoXSync:
     @torch.no_grad()
     def join(self):
         """(Admitted mid-run) take φ, momentum, Q, H and round t's Δ from the members (handover.py)."""
-        result = handover.receive(self)
+        return self.joined(handover.receive([self])[0])
+
+    @torch.no_grad()
+    def joined(self, result: Optional[ExchangeResult]):
+        """The state handed over is in place: θ ← φ, and round t's Δ (None: the members had applied it) applied
+        as the members apply it."""
         self.joined_midrun = True
         self.steps_in_round = 0
         self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])  # θ ← φ
         self._restart_round_at_anchor()
         if self.delayed:
-            self._done = result  # applied at this cluster's next boundary, as the members do
-        else:
+            self._done = result  # applied at this cluster's next boundary or landing, as the members do
+        elif result is not None:
             self._apply(result, exposed=0.0)
             self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])
             self.clock.at_boundary(self.round, in_flight=False)  # (as the members' at this boundary)
         self._last_hook = time.perf_counter()
-        log.warning("DiLoCoX cluster %d rejoined at round %d, iteration %d (H=%d, rank %d)", self.cfg.cluster_id,
-                    self.round, self.iteration, self.h, self.codec.rank)
+        if len(self.siblings) == 1:  # (fragments: StreamingSync.join says it once)
+            log.warning("DiLoCoX cluster %d rejoined at round %d, iteration %d (H=%d, rank %d)", self.cfg.cluster_id,
+                        self.round, self.iteration, self.h, self.codec.rank)
         return self
 
     # ------------------------------------------------------------------------------------------ hook
@@ -367,6 +380,7 @@ class DiLoCoXSync:
         result.comm_seconds, result.launched_at = time.perf_counter() - t0, iteration
         result.launched_tokens = launched_tokens
         self.exchange_spans.append((wall0, time.time()))
+        self.committed = result
         if verdict["admitted"]:
             log.warning("DiLoCoX round %d: cluster(s) %s rejoin; handing them the global state", round_idx,
                         verdict["admitted"])
@@ -400,6 +414,12 @@ class DiLoCoXSync:
     def _apply(self, result: ExchangeResult, exposed: float, adapt: bool = True):
         """φ ← Outer(φ, Δ) at the outer lr of the round's start iteration (config.outer_lr_at), then the next
         round's plan."""
+        with self.state_lock:
+            self._apply_round(result, exposed, adapt)
+            if result.deltas is not None and not result.status.startswith("stopped"):
+                self.applied_round = result.round
+
+    def _apply_round(self, result: ExchangeResult, exposed: float, adapt: bool):
         # the transfer alone: waiting for a peer that reached the boundary later is not link time (counting
         # it let a compute offset between clusters inflate H for good); smoothed, so that one slow transfer
         # (a busy host) does not swing H alone
