@@ -53,7 +53,7 @@ def may_admit(sync) -> bool:
     Fragments: at fragment 0's rounds only, each the last of a cycle in which every fragment's round follows the
     last one the members committed, in the same order on every site (outer/streaming.py); and only once every
     other fragment has committed a round in this process, so that each one's last committed round is known."""
-    return sync.fragment == 0 and all(f.committed is not None for f in sync.siblings if f is not sync)
+    return sync.fragment == 0 and all(f.committed_round >= 0 for f in sync.siblings if f is not sync)
 
 
 def send(sync, result: ExchangeResult, iteration: int):
@@ -63,7 +63,7 @@ def send(sync, result: ExchangeResult, iteration: int):
     the main thread holds while it applies a round)."""
     src, syncs = getattr(sync.group, "handover_src", 0), sync.siblings
     with sync.state_lock:
-        parts = [_state(f, result if f is sync else f.committed, iteration) for f in syncs]
+        parts = [_state(f, result if f is sync else f.committed, iteration, f.committed_round) for f in syncs]
     sync.group.broadcast(torch.tensor([float(len(syncs))], dtype=torch.float64), src=src, context=COUNT)
     timeout = sync.cfg.timeout_seconds
     for head, flat in parts:
@@ -73,9 +73,12 @@ def send(sync, result: ExchangeResult, iteration: int):
     _everyone_has_it(sync, timeout)
 
 
-def _state(f, result: ExchangeResult, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, state) of one fragment: copies, taken under the lock."""
+def _state(f, result: Optional[ExchangeResult], iteration: int, committed_round: int):
+    """(header, state) of one fragment: copies, taken under the lock. ``result``: its last committed round's, while
+    the main thread has not applied it (None once it has: then only its round number is needed)."""
     buf = f.outer.buf
+    result = result or ExchangeResult(round=committed_round, deltas=None, status="applied", num_clusters=0, rank=0,
+                                      next_rank=0)
     pending = result.deltas is not None and f.applied_round < result.round
     values = [result.round, iteration, f.h, f.codec.rank, buf is not None, pending, result.next_rank,
               result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters, f.tau,

@@ -140,7 +140,8 @@ class DiLoCoXSync:
         # thread may be applying another fragment's round: both hold this lock (one per site: StreamingSync's)
         self.state_lock = threading.Lock()
         self.applied_round = 0  # the last round applied here (main thread)
-        self.committed: Optional[ExchangeResult] = None  # the last round the members committed (exchange thread)
+        # the last round the members committed (exchange thread), and its result until the main thread applies it
+        self.committed_round, self.committed = -1, None
         self.siblings: list[DiLoCoXSync] = [self]  # the rounds whose state a joiner is handed (every fragment)
         self.last_row: Optional[dict] = None
         self.rows: list[dict] = []  # every round's metrics row, in order (small dicts; one per round)
@@ -380,7 +381,7 @@ class DiLoCoXSync:
         result.comm_seconds, result.launched_at = time.perf_counter() - t0, iteration
         result.launched_tokens = launched_tokens
         self.exchange_spans.append((wall0, time.time()))
-        self.committed = result
+        self.committed, self.committed_round = result, result.round
         if verdict["admitted"]:
             log.warning("DiLoCoX round %d: cluster(s) %s rejoin; handing them the global state", round_idx,
                         verdict["admitted"])
@@ -418,6 +419,8 @@ class DiLoCoXSync:
             self._apply_round(result, exposed, adapt)
             if result.deltas is not None and not result.status.startswith("stopped"):
                 self.applied_round = result.round
+            if self.committed is result:  # (not held past its use: it is a model's worth of Δ)
+                self.committed = None
 
     def _apply_round(self, result: ExchangeResult, exposed: float, adapt: bool):
         # the transfer alone: waiting for a peer that reached the boundary later is not link time (counting
