@@ -27,8 +27,13 @@ SECRET = "composition-secret"
 RESUME_RE = re.compile(r"every cluster resumes at round (\d+); this cluster loads iteration (\d+)")
 REJOIN_RE = re.compile(r"continues from iteration (\d+) with the running clusters")
 # planned iterations per site: enough rounds for the event to land mid-run; a rejoin needs the survivor still
-# training when the restarted site is up again (its start-up takes 10-20 s on the 2-core host)
+# training when the restarted site is up again (its start-up takes 10-20 s on the 2-core host, more at half a
+# core): the survivor waits half of --dilocox-timeout before it goes on alone, so the rejoin rows wait 30 s
+# (--dilocox-timeout 60; at 30 the survivor of a half-core rejoin row had finished its 80 iterations before the
+# joiner asked, on a loaded host). More iterations would buy the same time dearer: after the rejoin every round
+# waits for the joiner (120 iterations: the two rejoin rows 190 s)
 ITERS = {"none": 24, "restart": 32, "rejoin": 80}
+TIMEOUT = {"none": "30", "restart": "30", "rejoin": "60"}
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 
 
@@ -39,7 +44,7 @@ def flags(row: dict, corpus: str, tmp_path) -> dict:
         ckpt = f"{tmp_path}/ckpt_c{{cluster}}"
         megatron += ["--save", ckpt, "--load", ckpt, "--save-interval", "4", "--ckpt-format", "torch_dist"]
     dilocox = ["--dilocox-h", "4", "--dilocox-metrics-file", f"{tmp_path}/metrics_c{{cluster}}.jsonl",
-               "--dilocox-on-peer-failure", row["policy"], "--dilocox-timeout", "30"]
+               "--dilocox-on-peer-failure", row["policy"], "--dilocox-timeout", TIMEOUT[row["event"]]]
     dilocox += ["--dilocox-no-per-site-h"] if row["rounds"] == "lockstep" else []
     dilocox += ["--dilocox-fragments", "2", "--dilocox-overlap", "one-step-delay"] if row["link"] == "slow" else []
     kw = {}

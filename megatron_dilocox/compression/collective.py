@@ -120,7 +120,8 @@ class Collective:
         ``sizes_in[g]`` bytes from member g (before tags). Counted: every piece but this member's own."""
         sealed = self.authenticated and context is not None
         me, device = self.cluster_of(self.rank), pieces[self.rank].device
-        pieces = [to_host(p) for p in pieces]
+        staged: dict = {}  # (one copy of a tensor sent to several members: the all-gather half passes [mine] * C)
+        pieces = [staged.setdefault(id(p), to_host(p)) for p in pieces]
         if sealed:
             pieces = [p if j == self.rank else seal(self.key, context, me, self.cluster_of(j), p)
                       for j, p in enumerate(pieces)]
@@ -184,7 +185,7 @@ class Collective:
         source sending one copy to each other member. ``timeout``: seconds for this transfer instead of the
         group's (a large state over a slow link: outer/handover.py)."""
         sealed = self.authenticated and context is not None
-        device, buf = buf.device, to_host(buf)
+        given, buf = buf, to_host(buf)
         flat = buf
         if sealed:  # the source seals; the others receive into a buffer of the same size
             raw = buf.contiguous().view(torch.uint8).reshape(-1)
@@ -196,10 +197,11 @@ class Collective:
         else:
             self.counter.received += n
         got = self._timed(self._broadcast, flat, src, timeout)
+        if sealed and self.rank == src:
+            return given.clone()
         if sealed:
-            got = buf.clone() if self.rank == src else \
-                unseal(self.key, context, self.cluster_of(src), -1, got).view(buf.dtype).view(buf.shape)
-        return to_device(got, device)
+            got = unseal(self.key, context, self.cluster_of(src), -1, got).view(buf.dtype).view(buf.shape)
+        return to_device(got, given.device)
 
     # membership (a fixed group: every round commits; InterClusterGroup overrides these)
     elastic = False
@@ -231,7 +233,19 @@ class Collective:
 
 
 class SoloCollective(Collective):
-    """A group of one (C=1): collectives are identities and cost no bytes."""
+    """A group of one (C=1): collectives are identities and cost no bytes (nothing crosses a wire: no staging)."""
+
+    def all_gather(self, buf, context=None):
+        return [buf]
+
+    def all_to_all(self, pieces, sizes_in, context=None):
+        return [pieces[0]]
+
+    def broadcast(self, buf, src=0, context=None, timeout=None):
+        return buf
+
+    def all_reduce_sum(self, buf, timeout=None):
+        return buf
 
     def _all_gather(self, buf):
         return [buf]

@@ -86,11 +86,15 @@ class SlowLinkSync:
         if self.single.group.joining:  # (the members may have switched: the hand-over says how many fragments)
             count = handover.receive_count(self.single.group)
             if count > 1:
-                self.streaming = StreamingSync.succeeding(self.single, self.fragmented)
-                self.switched_at = self.single.iteration
+                if self.streaming is None:  # (a checkpoint written after the switch built them already)
+                    self.streaming = StreamingSync.succeeding(self.single, self.fragmented)
                 self.streaming.join(count)
+                self.switched_at = self.streaming.iteration
                 return self
             self.single.joined(handover.receive([self.single], count)[0])
+            # the members decided at their last landing whether to switch at their next boundary, from values the
+            # hand-over carried (the shared plan, the rank, the link measured): the joiner decides the same
+            self.switch_due = plan.link_holds_whole_rounds(self.single)
             return self
         self.single.start()
         return self

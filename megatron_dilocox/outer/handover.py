@@ -8,7 +8,10 @@ of it, starts its error feedback at zero and its θ at φ, and then applies Δ_t
 do (at once without overlap, τ steps into its next round with the delay), so from that boundary on
 every cluster holds bitwise the same φ. Sent by broadcast from the group's first member that was
 there before the admission (cluster 0, or the lowest surviving id when cluster 0 is the one rejoining)
-over the new epoch's group: first a small fp64 header (sizes depend on the rank), then one fp32 buffer.
+over the new epoch's group: first how many fragments the run syncs in, then for each a small fp64 header (sizes
+depend on the rank) and one fp32 buffer. With fragments (outer/streaming.py) the admission comes after fragment
+0's round t; each other fragment j's state is as the source holds it, read under the site's state lock, with
+its last committed round's Δ where the source has not applied that yet (docs/fault_tolerance.md#rejoin).
 
 The buffer is the whole model's outer state (φ, momentum, Δ_t: three times the model's fp32 bytes), far more
 than a round's compressed payload: over a slow link it may take longer than ``--dilocox-timeout``, which is
@@ -33,7 +36,8 @@ from megatron_dilocox.outer.nesterov import OuterNesterov
 _HEADER = ("round", "iteration", "h", "rank", "has_momentum", "has_deltas", "next_rank", "peer_comm_seconds",
            "peer_step_seconds", "num_clusters", "tau", "q_rank", "peer_seconds_per_byte", "round_tokens",
            "end_requested", "shared_h", "shared_tau", "launched_tokens", "plans_left", "repairs_in_a_row",
-           "launched_at") + tuple(f"clock.{k}" for k in RunClock.FIELDS)
+           "launched_at", "has_result", "link_seconds_per_byte", "sent_h", "sent_rank", "sent_shared_h",
+           "sent_shared_tau", "timeout") + tuple(f"clock.{k}" for k in RunClock.FIELDS)
 COUNT, HEAD, STATE = (0, 0, "handover-count"), (0, 0, "handover-head"), (0, 0, "handover")  # tag contexts (the
 # key is the new epoch's)
 
@@ -49,45 +53,53 @@ def transfer_timeout(sync, numel: int, seconds_per_byte: float) -> float:
 
 
 def may_admit(sync) -> bool:
-    """Whether a joiner may be admitted after this round (its vote: net/membership.py). Unfragmented: always.
-    Fragments: at fragment 0's rounds only, each the last of a cycle in which every fragment's round follows the
-    last one the members committed, in the same order on every site (outer/streaming.py); and only once every
-    other fragment has committed a round in this process, so that each one's last committed round is known."""
-    return sync.fragment == 0 and all(f.committed_round >= 0 for f in sync.siblings if f is not sync)
+    """Whether a joiner may be admitted after this round (its vote: net/membership.py). Unfragmented: always, but
+    not while the run ends. Fragments: at fragment 0's rounds only, each the last of a cycle in which every
+    fragment's round follows the last one the members committed, in the same order on every site
+    (outer/streaming.py); and only once every other fragment has committed a round in this process, so that each
+    one's last committed round is known."""
+    return sync.fragment == 0 and all(f.admits for f in sync.siblings) and \
+        all(f.committed_round >= 0 for f in sync.siblings if f is not sync)
 
 
 def send(sync, result: ExchangeResult, iteration: int):
     """(Members) broadcast the state a joiner needs, every fragment's (``sync.siblings``); called right after the
     group admitted it, in the exchange thread. Each fragment's state as this site holds it: φ and momentum, Q, and
-    its last committed round's Δ when the main thread has not applied it yet (under the site's state lock, which
-    the main thread holds while it applies a round)."""
+    its last committed round's result when the main thread has not applied it yet (this round's always), under the
+    site's state lock, which the main thread holds while it applies a round or moves the clock."""
     src, syncs = getattr(sync.group, "handover_src", 0), sync.siblings
     with sync.state_lock:
-        parts = [_state(f, result if f is sync else f.committed, iteration, f.committed_round) for f in syncs]
+        parts = [_state(sync, f, result if f is sync else f.committed, iteration, f.committed_round,
+                        result.peer_seconds_per_byte) for f in syncs]
     sync.group.broadcast(torch.tensor([float(len(syncs))], dtype=torch.float64), src=src, context=COUNT)
-    timeout = sync.cfg.timeout_seconds
     for head, flat in parts:
         sync.group.broadcast(head, src=src, context=HEAD)
-        timeout = transfer_timeout(sync, flat.numel(), result.peer_seconds_per_byte)
-        sync.group.broadcast(flat, src=src, context=STATE, timeout=timeout)
-    _everyone_has_it(sync, timeout)
+        sync.group.broadcast(flat, src=src, context=STATE, timeout=head[_HEADER.index("timeout")].item())
+    _everyone_has_it(sync, max(head[_HEADER.index("timeout")].item() for head, _ in parts))
 
 
-def _state(f, result: Optional[ExchangeResult], iteration: int, committed_round: int):
-    """(header, state) of one fragment: copies, taken under the lock. ``result``: its last committed round's, while
-    the main thread has not applied it (None once it has: then only its round number is needed)."""
+def _state(sync, f, result: Optional[ExchangeResult], iteration: int, committed_round: int, rate: float):
+    """(header, state) of fragment ``f``: copies, taken under the lock. ``result``: its last committed round's,
+    while the main thread has not applied it (None once it has: then only its round number is needed)."""
     buf = f.outer.buf
+    handed = f is sync or (result is not None and f.applied_round < result.round)  # (a round to apply as they do)
     result = result or ExchangeResult(round=committed_round, deltas=None, status="applied", num_clusters=0, rank=0,
                                       next_rank=0)
-    pending = result.deltas is not None and f.applied_round < result.round
+    pending = handed and result.deltas is not None
+    sent = f.sent.get(result.round, (f.h, f.codec.rank))  # the plan the round was launched with (plan.follow)
+    shared_sent = f.shared_sent.get(result.round, f.shared)
+    parts = list(f.anchor) + (list(buf) if buf is not None else []) + list(f.codec.q) + \
+        (list(result.deltas) if pending else [])
+    flat = _flat(parts)
+    # the hand-over's transfer at the rate the rounds measured (the joiner has measured nothing: it is told)
+    timeout = transfer_timeout(sync, flat.numel(), rate)
     values = [result.round, iteration, f.h, f.codec.rank, buf is not None, pending, result.next_rank,
               result.peer_comm_seconds, result.peer_step_seconds, result.num_clusters, f.tau,
               f.codec.q[0].shape[-1] if f.codec.q else 0, result.peer_seconds_per_byte, sum(result.member_tokens),
               result.end_requested, *f.shared, result.launched_tokens, sum(result.member_plans_left),
-              f.repairs_in_a_row, result.launched_at] + f.clock.as_floats()
-    parts = list(f.anchor) + (list(buf) if buf is not None else []) + list(f.codec.q) + \
-        (list(result.deltas) if pending else [])
-    return torch.tensor([float(v) for v in values], dtype=torch.float64), _flat(parts)
+              f.repairs_in_a_row, result.launched_at, handed, f.link.seconds_per_byte, *sent, *shared_sent,
+              timeout] + f.clock.as_floats()
+    return torch.tensor([float(v) for v in values], dtype=torch.float64), flat
 
 
 def _everyone_has_it(sync, timeout: float):
@@ -111,8 +123,9 @@ def receive(syncs, count: Optional[int] = None) -> list[Optional[ExchangeResult]
                            f"give every cluster the same --dilocox-fragments and --dilocox-slow-link-fragments")
     out, timeout = [], syncs[0].cfg.timeout_seconds
     for sync in syncs:
-        result, timeout = _receive_one(sync)
+        result, seconds = _receive_one(sync)
         out.append(result)
+        timeout = max(timeout, seconds)
     _everyone_has_it(syncs[0], timeout)
     return out
 
@@ -127,7 +140,7 @@ def _receive_one(sync) -> tuple[Optional[ExchangeResult], float]:
     numels = [p.numel() for p in sync.params]
     sizes = numels * (1 + int(head["has_momentum"])) + [b * c * r for b, c, r in q_shapes]
     sizes += numels if head["has_deltas"] else []
-    timeout = transfer_timeout(sync, sum(sizes), head["peer_seconds_per_byte"])
+    timeout = head["timeout"]  # (the sender's: at the rate its rounds measured)
     flat = sync.group.broadcast(torch.zeros(sum(sizes)), src=src, context=STATE, timeout=timeout)
     pieces = iter(torch.split(flat, sizes))
     shapes = [p.shape for p in sync.params]
@@ -147,9 +160,16 @@ def _receive_one(sync) -> tuple[Optional[ExchangeResult], float]:
     sync.h, sync.tau = sync.shared if sync.cfg.per_site_h else (sync.h, sync.tau)
     sync.clock = RunClock.from_floats([head[f"clock.{k}"] for k in RunClock.FIELDS])
     sync.repairs_in_a_row = int(head["repairs_in_a_row"])  # (so the joiner stops after the same round as they do)
-    if deltas is None:
+    # the plan round t was launched with (fragments 1.. follow fragment 0's as of the round that lands: plan.follow),
+    # and the link the members measured (the joiner has sent nothing yet; the slow-link switch asks whether it is)
+    sync.sent[sync.round] = (int(head["sent_h"]), int(head["sent_rank"]))
+    sync.shared_sent[sync.round] = (int(head["sent_shared_h"]), int(head["sent_shared_tau"]))
+    if sync.link.seconds_per_byte == 0:
+        sync.link.seconds_per_byte = head["link_seconds_per_byte"]
+    if not head["has_result"]:
         return None, timeout
-    return ExchangeResult(round=sync.round, deltas=deltas, status="applied", num_clusters=int(head["num_clusters"]),
+    return ExchangeResult(round=sync.round, deltas=deltas, status="applied" if deltas is not None else
+                          "refused: (before this cluster rejoined)", num_clusters=int(head["num_clusters"]),
                           rank=rank, next_rank=int(head["next_rank"]), launched_at=int(head["launched_at"]),
                           peer_comm_seconds=head["peer_comm_seconds"], peer_step_seconds=head["peer_step_seconds"],
                           peer_seconds_per_byte=head["peer_seconds_per_byte"],

@@ -20,9 +20,11 @@ each fragment's partial round (the steps since its boundary) is sent, so the glo
 one unfragmented round at a multiple of H does.
 
 A cluster rejoining a run in progress (--dilocox-on-peer-failure continue) is admitted only after fragment 0's
-round (outer/handover.py: ``may_admit``): on every site the exchanges run in one order, fragments 1 .. F−1 then 0
-in each cycle, so after fragment 0's the next exchange of every fragment is the round after the last one the
-members committed. The joiner is handed every fragment's state as of that round (a fragment whose round the
+round (outer/handover.py: ``may_admit``): on every site the exchanges run in one order, in which fragment 0's
+round ends each cycle of F (fragments 1 .. F−1 then 0 from the start; after the slow-link switch fragment 0
+launches first and the first cycle is incomplete, so admission waits until every fragment has committed a round
+in this process), so after fragment 0's the next exchange of every fragment is the round after the last one the
+members committed. Not while the run ends (``finalize`` sends the partial rounds 0 .. F−1). The joiner is handed every fragment's state as of that round (a fragment whose round the
 members have not applied yet comes with its Δ, applied when they apply it) and starts every fragment's round at
 once, so its fragments end their rounds in the same order (1 .. F−1 at their offsets, 0 at H).
 """
@@ -220,7 +222,10 @@ class StreamingSync:
 
     @torch.no_grad()
     def finalize(self):
-        """Send each fragment's partial round, apply everything in flight; then θ = φ on every cluster."""
+        """Send each fragment's partial round, apply everything in flight; then θ = φ on every cluster. (No joiner
+        is admitted from here on: these partial rounds go 0 .. F−1, not in a cycle's order.)"""
+        for f in self.fragments:
+            f.admits = False
         for f in self.fragments:
             if f.steps_in_round > 0 and not self.stopped:
                 f.boundary()

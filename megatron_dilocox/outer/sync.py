@@ -143,6 +143,7 @@ class DiLoCoXSync:
         # the last round the members committed (exchange thread), and its result until the main thread applies it
         self.committed_round, self.committed = -1, None
         self.siblings: list[DiLoCoXSync] = [self]  # the rounds whose state a joiner is handed (every fragment)
+        self.admits = True  # False once this site sends its last rounds (finalize): no joiner may come in then
         self.last_row: Optional[dict] = None
         self.rows: list[dict] = []  # every round's metrics row, in order (small dicts; one per round)
         self.stopped: Optional[str] = None  # why the run must stop (a peer lost under policy stop, ...)
@@ -263,7 +264,8 @@ class DiLoCoXSync:
                 self.round_steps += steps
                 return
             self._set_params(self.anchor)  # θ ← φ
-            self.clock.at_boundary(self.round, in_flight=False)
+            with self.state_lock:  # (a joiner's hand-over reads the clock: handover.send)
+                self.clock.at_boundary(self.round, in_flight=False)
         else:
             if self._in_flight is not None or self._done is not None:
                 t0 = time.perf_counter()
@@ -278,7 +280,8 @@ class DiLoCoXSync:
                                                     end)
             self._set_params(self._local_start(delta))
             self.round_start = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
-            self.clock.at_boundary(self.round, in_flight=True)
+            with self.state_lock:
+                self.clock.at_boundary(self.round, in_flight=True)
             if self.tau == 0:  # synchronous landing (plan.SYNC_LANDING_STEPS): θ = φ + (θ − θ_s) = φ exactly
                 self.land()
 
