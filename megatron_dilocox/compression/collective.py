@@ -95,6 +95,16 @@ class Collective:
     def __init__(self):
         self.counter = ByteCounter()
 
+    crosses_sites = True  # False: nothing crosses between sites (SoloCollective), so nothing is staged
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the host for the wire (as it is where there is no wire). Also for a group of one member left:
+        its collectives still go through gloo."""
+        return to_host(t) if self.crosses_sites else t
+
+    def _unstage(self, t: torch.Tensor, device) -> torch.Tensor:
+        return to_device(t, device) if self.crosses_sites else t
+
     @property
     def authenticated(self) -> bool:
         return self.key is not None and self.size > 1
@@ -103,7 +113,7 @@ class Collective:
         """Every member's ``buf`` (all the same size), in member order. ``context`` (round, fragment, kind):
         authenticate the messages when the group is keyed."""
         sealed = self.authenticated and context is not None
-        me, device, buf = self.cluster_of(self.rank), buf.device, to_host(buf)
+        me, device, buf = self.cluster_of(self.rank), buf.device, self._stage(buf)
         out = buf.view(torch.uint8).reshape(-1) if sealed else buf
         if sealed:
             out = seal(self.key, context, me, -1, out)
@@ -112,7 +122,7 @@ class Collective:
         if sealed:
             got = [buf if g == self.rank else self._open(context, g, -1, m, buf).view(buf.dtype).view(buf.shape)
                    for g, m in enumerate(got)]
-        return [to_device(g, device) for g in got]
+        return [self._unstage(g, device) for g in got]
 
     def all_to_all(self, pieces: list[torch.Tensor], sizes_in: list[int],
                    context: Optional[tuple] = None) -> list[torch.Tensor]:
@@ -121,7 +131,7 @@ class Collective:
         sealed = self.authenticated and context is not None
         me, device = self.cluster_of(self.rank), pieces[self.rank].device
         staged: dict = {}  # (one copy of a tensor sent to several members: the all-gather half passes [mine] * C)
-        pieces = [staged.setdefault(id(p), to_host(p)) for p in pieces]
+        pieces = [staged.setdefault(id(p), self._stage(p)) for p in pieces]
         if sealed:
             pieces = [p if j == self.rank else seal(self.key, context, me, self.cluster_of(j), p)
                       for j, p in enumerate(pieces)]
@@ -131,7 +141,7 @@ class Collective:
         got = self._timed(self._all_to_all, pieces, sizes_in)
         if sealed:
             got = [m if g == self.rank else self._open(context, g, me, m, None) for g, m in enumerate(got)]
-        return [to_device(g, device) for g in got]
+        return [self._unstage(g, device) for g in got]
 
     def _open(self, context, g: int, receiver: int, message: torch.Tensor, stand_in):
         """A received message's payload; one that does not verify raises, or inside ``deferred_refusals`` is
@@ -165,14 +175,15 @@ class Collective:
         """Elementwise sum over members; bitwise identical on every member. Never authenticated (it mixes the
         members' bytes): the codec uses it only for untagged fp32 (averaging.py: ``scheme_at``), the hand-over
         as a completion signal. ``timeout``: seconds instead of the group's."""
-        device, buf = buf.device, to_host(buf)
+        device, buf = buf.device, self._stage(buf)
         self.counter.add(allreduce_bytes(buf.numel() * buf.element_size(), self.size))
-        return to_device(self._timed(self._all_reduce_sum, buf, timeout), device)
+        return self._unstage(self._timed(self._all_reduce_sum, buf, timeout), device)
 
     def _timed(self, fn, *args):
         """``fn(*args)``, its wall time added to the counter (the wire, and any wait for a peer). Every transfer
         between sites passes here: host tensors only."""
-        _host_only(args)
+        if self.crosses_sites:
+            _host_only(args)
         t0 = time.perf_counter()
         try:
             return fn(*args)
@@ -185,7 +196,7 @@ class Collective:
         source sending one copy to each other member. ``timeout``: seconds for this transfer instead of the
         group's (a large state over a slow link: outer/handover.py)."""
         sealed = self.authenticated and context is not None
-        given, buf = buf, to_host(buf)
+        given, buf = buf, self._stage(buf)
         flat = buf
         if sealed:  # the source seals; the others receive into a buffer of the same size
             raw = buf.contiguous().view(torch.uint8).reshape(-1)
@@ -201,7 +212,7 @@ class Collective:
             return given.clone()
         if sealed:
             got = unseal(self.key, context, self.cluster_of(src), -1, got).view(buf.dtype).view(buf.shape)
-        return to_device(got, given.device)
+        return self._unstage(got, given.device)
 
     # membership (a fixed group: every round commits; InterClusterGroup overrides these)
     elastic = False
@@ -235,17 +246,7 @@ class Collective:
 class SoloCollective(Collective):
     """A group of one (C=1): collectives are identities and cost no bytes (nothing crosses a wire: no staging)."""
 
-    def all_gather(self, buf, context=None):
-        return [buf]
-
-    def all_to_all(self, pieces, sizes_in, context=None):
-        return [pieces[0]]
-
-    def broadcast(self, buf, src=0, context=None, timeout=None):
-        return buf
-
-    def all_reduce_sum(self, buf, timeout=None):
-        return buf
+    crosses_sites = False
 
     def _all_gather(self, buf):
         return [buf]
