@@ -28,12 +28,13 @@ RESUME_RE = re.compile(r"every cluster resumes at round (\d+); this cluster load
 REJOIN_RE = re.compile(r"continues from iteration (\d+) with the running clusters")
 # planned iterations per site: enough rounds for the event to land mid-run; a rejoin needs the survivor still
 # training when the restarted site is up again (its start-up takes 10-20 s on the 2-core host, more at half a
-# core): the survivor waits half of --dilocox-timeout before it goes on alone, so the rejoin rows wait 30 s
-# (--dilocox-timeout 60; at 30 the survivor of a half-core rejoin row had finished its 80 iterations before the
-# joiner asked, on a loaded host). More iterations would buy the same time dearer: after the rejoin every round
-# waits for the joiner (120 iterations: the two rejoin rows 190 s)
+# core): the survivor waits half of --dilocox-timeout before it goes on alone, so the rejoin rows wait 20 s
+# (--dilocox-timeout 40; at 30 the survivor of a half-core rejoin row had finished its 80 iterations before the
+# joiner asked, on a host loaded by a second test session; at 60 the joiners of both rows asked within the first
+# rounds). More iterations would buy the same time dearer: after the rejoin every round waits for the joiner (120
+# iterations: the two rejoin rows 190 s)
 ITERS = {"none": 24, "restart": 32, "rejoin": 80}
-TIMEOUT = {"none": "30", "restart": "30", "rejoin": "60"}
+TIMEOUT = {"none": "30", "restart": "30", "rejoin": "40"}
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 
 

@@ -143,7 +143,8 @@ def test_a_one_sided_transport_error_does_not_leave_the_peer_waiting_for_the_glo
           f"{slowest['comm_seconds']:.1f}s on cluster 0 (gloo timeout {TIMEOUT:.0f}s)")
 
 
-@pytest.mark.parametrize("per_site", [False, True])
+# (CI: per-site H; lockstep rounds with fragments and a rejoin are the composition matrix's rejoin row in fragments)
+@pytest.mark.parametrize("per_site", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_restarted_cluster_rejoins_a_run_in_fragments_and_all_agree_again(per_site):
     """--dilocox-fragments 2 under continue (the slow-link switch's setting): cluster 1 is killed before its step 6
     and restarted 4 s later. It is admitted only after fragment 0's round (outer/streaming.py), handed both
