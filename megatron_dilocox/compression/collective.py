@@ -20,7 +20,7 @@ moved back to the device it was given on (one copy). The private transfers (``_a
 ``_broadcast``, ``_all_reduce_sum``: what a group subclass implements) only ever see host tensors, and
 ``_timed``, through which every one of them is called, refuses anything else (``OffHostTensor``), so a CPU test
 runs the code a GPU run runs except the two copies (tests/test_device_boundary.py drives it with tensors that
-report a CUDA device). Why host: gloo sends and receives CPU tensors only, and the tag reads the bytes through
+say they live off the host: tests/off_host.py). Why host: gloo sends and receives CPU tensors only, and the tag reads the bytes through
 NumPy (docs/security.md#authenticated-payloads).
 """
 from __future__ import annotations
@@ -33,6 +33,10 @@ from typing import Optional
 import torch
 
 from megatron_dilocox.compression.auth import TAG_BYTES, ForgedPayload, seal, unseal
+
+
+HOLD = "ok/hold"  # a member's ok outcome at an attempt after which no joiner may be admitted (net/membership.py)
+OK_OUTCOMES = ("ok", HOLD)
 
 
 class OffHostTensor(TypeError):
@@ -220,7 +224,7 @@ class Collective:
 
     def settle(self, round_idx: int, outcome: str, attempt_end: float) -> dict:
         """The outcome every member agrees on for this round's exchange (see net/membership.py)."""
-        if outcome.partition("/")[0] != "ok":  # ("ok/hold": ok, no joiner admitted; a fixed group admits none)
+        if outcome not in OK_OUTCOMES:  # (a fixed group admits nobody: a hold is an ok)
             raise RuntimeError(f"DiLoCoX round {round_idx}: exchange failed ({outcome}) in a fixed group")
         return {"action": "commit", "admitted": [], "lost": [], "reason": ""}
 

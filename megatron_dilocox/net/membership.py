@@ -52,11 +52,10 @@ from typing import Callable, Optional, Sequence
 
 from torch.distributed import PrefixStore, TCPStore
 
+from megatron_dilocox.compression.collective import HOLD, OK_OUTCOMES
 from megatron_dilocox.net.rendezvous import mac
 
 MAX_RETRIES = 3  # consecutive failed attempts with every member present before the run stops
-HOLD = "ok/hold"  # an ok vote at an attempt after which no joiner may be admitted
-OK = ("ok", HOLD)
 
 
 class PeerLostError(RuntimeError):
@@ -216,7 +215,7 @@ class Membership:
                     raise PeerLostError(f"lost the rendezvous host, cluster 0 (round {round_idx}): {exc}") from exc
                 self.use_store(self.reconnect())  # the same vote, to the restarted coordinator (or standby)
         self.pending, self.last = None, (key, verdict)
-        if verdict["action"] == "commit" and outcome not in OK:  # every member voted ok: not this one's vote
+        if verdict["action"] == "commit" and outcome not in OK_OUTCOMES:  # every member voted ok: not this one's vote
             raise ForgedVerdict(f"round {round_idx} was committed although this cluster's attempt was not ok "
                                 f"({outcome.partition(':')[0]}): its vote in the rendezvous store was replaced; "
                                 f"nothing was applied; stopping. Let only your own sites reach the rendezvous port "
@@ -291,7 +290,7 @@ class Membership:
             verdict.update(action="stop" if self.policy == "stop" else "retry",
                            members=[c for c in self.members if c not in missing], epoch=self.epoch + 1,
                            reason="; ".join(why))
-        elif any(v not in OK for v in votes):
+        elif any(v not in OK_OUTCOMES for v in votes):
             self._retries += 1
             verdict.update(action="retry" if self._retries < MAX_RETRIES else "stop", epoch=self.epoch + 1,
                            reason=f"the exchange failed {self._retries} time(s) with every cluster present")

@@ -72,14 +72,14 @@ def send(sync, result: ExchangeResult, iteration: int):
         parts = [_state(sync, f, result if f is sync else f.committed, iteration, f.committed_round,
                         result.peer_seconds_per_byte) for f in syncs]
     sync.group.broadcast(torch.tensor([float(len(syncs))], dtype=torch.float64), src=src, context=COUNT)
-    for head, flat in parts:
+    for head, flat, timeout in parts:
         sync.group.broadcast(head, src=src, context=HEAD)
-        sync.group.broadcast(flat, src=src, context=STATE, timeout=head[_HEADER.index("timeout")].item())
-    _everyone_has_it(sync, max(head[_HEADER.index("timeout")].item() for head, _ in parts))
+        sync.group.broadcast(flat, src=src, context=STATE, timeout=timeout)
+    _everyone_has_it(sync, max(timeout for _, _, timeout in parts))
 
 
 def _state(sync, f, result: Optional[ExchangeResult], iteration: int, committed_round: int, rate: float):
-    """(header, state) of fragment ``f``: copies, taken under the lock. ``result``: its last committed round's,
+    """(header, state, its transfer's timeout) of fragment ``f``: copies, taken under the lock. ``result``: its last committed round's,
     while the main thread has not applied it (None once it has: then only its round number is needed)."""
     buf = f.outer.buf
     handed = f is sync or (result is not None and f.applied_round < result.round)  # (a round to apply as they do)
@@ -99,7 +99,7 @@ def _state(sync, f, result: Optional[ExchangeResult], iteration: int, committed_
               result.end_requested, *f.shared, result.launched_tokens, sum(result.member_plans_left),
               f.repairs_in_a_row, result.launched_at, handed, f.link.seconds_per_byte, *sent, *shared_sent,
               timeout] + f.clock.as_floats()
-    return torch.tensor([float(v) for v in values], dtype=torch.float64), flat
+    return torch.tensor([float(v) for v in values], dtype=torch.float64), flat, timeout
 
 
 def _everyone_has_it(sync, timeout: float):

@@ -21,9 +21,9 @@ import time
 from typing import Callable
 
 from megatron_dilocox.compression.auth import ForgedPayload
-from megatron_dilocox.compression.collective import OffHostTensor
 from megatron_dilocox.compression.codec import ExchangeResult, PayloadError
-from megatron_dilocox.net.membership import HOLD, ForgedVerdict, PeerLostError
+from megatron_dilocox.compression.collective import HOLD, OffHostTensor
+from megatron_dilocox.net.membership import ForgedVerdict, PeerLostError
 from megatron_dilocox.outer import handover, repair
 
 log = logging.getLogger("megatron_dilocox")

@@ -24,9 +24,10 @@ round (outer/handover.py: ``may_admit``): on every site the exchanges run in one
 round ends each cycle of F (fragments 1 .. F−1 then 0 from the start; after the slow-link switch fragment 0
 launches first and the first cycle is incomplete, so admission waits until every fragment has committed a round
 in this process), so after fragment 0's the next exchange of every fragment is the round after the last one the
-members committed. Not while the run ends (``finalize`` sends the partial rounds 0 .. F−1). The joiner is handed every fragment's state as of that round (a fragment whose round the
-members have not applied yet comes with its Δ, applied when they apply it) and starts every fragment's round at
-once, so its fragments end their rounds in the same order (1 .. F−1 at their offsets, 0 at H).
+members committed. Not while the run ends (``finalize`` sends the partial rounds 0 .. F−1). The joiner is
+handed every fragment's state as of that round (a fragment whose round the members have not applied yet comes
+with its Δ, applied at the joiner's own landing: the same φ) and starts every fragment's round at once, so its
+fragments end their rounds in the same order (1 .. F−1 at their offsets, 0 at H).
 """
 from __future__ import annotations
 
