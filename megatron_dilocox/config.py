@@ -185,6 +185,10 @@ class DiLoCoXConfig:
                                           "layout: each site's rank 0 exchanges the whole model as global tensors "
                                           "by name (docs/algorithm.md#canonical-exchange-layout)")
 
+    lanes: int = knob(1, "canonical layout: the model is exchanged in this many lanes of whole tensors, lane k by "
+                         "rank k mod W of a W-rank site, which keeps only its lanes' outer state; every site must "
+                         "give the same value (docs/algorithm.md#lanes)")
+
     # Output.
     metrics_file: Optional[str] = knob(None, "JSONL file for per-round metrics (one row per round per cluster)")
 
@@ -374,6 +378,11 @@ class DiLoCoXConfig:
             fail("exchange_scheme", f"must be one of {', '.join(EXCHANGE_SCHEMES)}, got {self.exchange_scheme!r}")
         if self.exchange_layout not in EXCHANGE_LAYOUTS:
             fail("exchange_layout", f"must be one of {', '.join(EXCHANGE_LAYOUTS)}, got {self.exchange_layout!r}")
+        if self.lanes < 1:
+            fail("lanes", f"must be at least 1, got {self.lanes}")
+        if self.lanes > 1 and self.exchange_layout != "canonical":
+            fail("lanes", "spreads the canonical exchange over a site's ranks: add --dilocox-exchange-layout canonical "
+                          "(the local layout already exchanges on every rank)")
         return self
 
     @property

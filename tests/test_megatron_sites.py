@@ -15,6 +15,7 @@ import torch
 from megatron_dilocox.compression.auth import TAG_BYTES
 from megatron_dilocox.compression.codec import HEADER_BYTES
 from megatron_dilocox.glue import checkpoints
+from megatron_dilocox.glue import lanes as lanes_mod
 from megatron_dilocox.harness import throttle
 from megatron_dilocox.harness.spawn import free_port
 from megatron_dilocox.metrics import read_rows
@@ -41,22 +42,42 @@ def rows_of(tmp_path, clusters):
     return rows
 
 
+def load_dump(dump, cluster: int, it: int) -> dict:
+    """A site's dump at iteration ``it``, its lanes' files joined in lane order (one file per lane)."""
+    parts = sorted(dump.glob(f"c{cluster}_it{it}_lane*.pt"), key=lambda f: int(f.stem.rsplit("lane", 1)[1]))
+    assert parts, (cluster, it)
+    ds = [torch.load(f) for f in parts]
+    out = {k: torch.cat([d[k] for d in ds]) for k in ("theta", "phi_before", "phi")}
+    out["units"] = [u for d in ds for u in d["units"]]
+    return out
+
+
 def layout_line(log) -> dict:
     return json.loads(next(line for line in log.lines if "DiLoCoX layout {" in line).split("DiLoCoX layout ", 1)[1])
 
 
-def test_two_layouts_exact_token_weighted_average(corpus, tmp_path):
+def layout_lines(log) -> list[dict]:
+    return [json.loads(line.split("DiLoCoX layout ", 1)[1]) for line in log.lines if "DiLoCoX layout {" in line]
+
+
+# CI: 4 lanes (every rank of both sites owns several: their threads) and the 3-site test's 2 lanes; 1 lane (the
+# default) in the composition matrix's canonical rows and the canonical restart and rejoin tests
+@pytest.mark.parametrize("lanes", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 4])
+def test_two_layouts_exact_token_weighted_average(corpus, tmp_path, lanes):
     """Site 0: TP1 PP1, one process, global batch 8. Site 1: TP1 PP2, two processes (the tied output layer on the
     second stage), global batch 16. fp32 payloads, no low rank, synchronous rounds, outer lr 1 without momentum:
     after each round φ = Σ w_c θ_c / Σ w_c over the sites' whole models in canonical layout, with w = 1/3, 2/3;
     it equals a float64 reference of the dumped θs to fp32 rounding, bitwise on both sites; bytes per round are
     the closed form for the canonical model; both sites' final evaluation of the global model, each with its own
-    layout, gives the same loss."""
+    layout, gives the same loss. In ``lanes`` lanes (glue/lanes.py): the bytes add a header and tags per lane; each
+    rank keeps 16 B of outer state per value of the lanes it owns (θ, φ, the round's start, the outer step's
+    buffer), and the lanes are cut and owned as lanes.split_lanes and lanes.owners say."""
     dump = tmp_path / "dump"
     codes, logs = run_on_cpu(2, 1, tiny_gpt_flags(corpus, 8),
                              tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-overlap", "none", "--dilocox-no-lowrank",
                                                 "--dilocox-quant-bits", "32", "--dilocox-outer-lr", "1.0",
-                                                "--dilocox-outer-momentum", "0", "--dilocox-outer-lr-warmup-iters", "0"),
+                                                "--dilocox-outer-momentum", "0", "--dilocox-outer-lr-warmup-iters", "0",
+                                                "--dilocox-lanes", str(lanes)),
                              per_cluster_args={0: ["--eval-iters", "4"],  # (the 32 validation samples site 1 reads)
                                                1: ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"]},
                              nproc_by_cluster={1: 2}, env={"DILOCOX_DUMP_ROUNDS": str(dump)}, timeout=420)
@@ -67,7 +88,7 @@ def test_two_layouts_exact_token_weighted_average(corpus, tmp_path):
         assert [r["tokens"] for r in rows[c]] == [4 * batch * 128] * 2
         assert [r["weight"] for r in rows[c]] == pytest.approx([batch / 24] * 2, rel=1e-12)
     for it in (4, 8):
-        d0, d1 = (torch.load(dump / f"c{c}_it{it}.pt") for c in range(2))
+        d0, d1 = (load_dump(dump, c, it) for c in range(2))
         assert d0["units"] == d1["units"] and torch.equal(d0["phi"], d1["phi"])
         ref = (d0["theta"].double() + 2 * d1["theta"].double()) / 3
         tol = 8 * 2.0 ** -23 * float(ref.abs().max())
@@ -76,14 +97,28 @@ def test_two_layouts_exact_token_weighted_average(corpus, tmp_path):
     n = d0["phi"].numel()
     assert layout_line(logs[0])["numel"] == n == layout_line(logs[1])["numel"]
     for c in range(2):
-        # fp32 by reduce-scatter + all-gather (a tagged all-reduce): 4n, and a tag on each of the 3 messages
-        assert all(r["bytes_sent"] == HEADER_BYTES + 4 * n + 3 * TAG_BYTES for r in rows[c])
+        # fp32 by reduce-scatter + all-gather (a tagged all-reduce): 4n, and per lane a header and a tag on each
+        # of the 3 messages
+        assert all(r["bytes_sent"] == lanes * (HEADER_BYTES + 3 * TAG_BYTES) + 4 * n for r in rows[c])
+    sizes = [torch.Size(shape).numel() for _, _, shape in d0["units"]]
+    lane_sizes = [sum(sizes[a:b]) for a, b in lanes_mod.split_lanes(sizes, lanes)]
+    assert sum(lane_sizes) == n
+    for c, world in ((0, 1), (1, 2)):
+        owner = lanes_mod.owners(lane_sizes, world)
+        lines = sorted(layout_lines(logs[c]), key=lambda line: line["rank"])
+        assert [line["lanes"] for line in lines] == [[k for k in range(lanes) if owner[k] == r] for r in range(world)]
+        for line in lines:
+            assert line["outer_state_bytes"] == 16 * sum(lane_sizes[k] for k in line["lanes"]), (c, line)
+    most = max(line["outer_state_bytes"] for line in layout_lines(logs[1]))
+    print(f"LANES {lanes}: lanes of {lane_sizes} values; site 1's most outer state on one rank {most} B "
+          f"({most / (16 * n):.3f} of the whole model's)")
     v0, v1 = logs[0].valid_losses[-1], logs[1].valid_losses[-1]
     assert v0 == pytest.approx(v1, rel=1e-4) and v0 < 8.0
 
 
 def test_two_layouts_int4_average_within_the_quantization_bound(corpus, tmp_path):
-    """The same two layouts and weights with int4 blocks (no low rank): round 1's applied average (error feedback
+    """The same two layouts and weights with int4 blocks (no low rank), in two lanes (one per rank of site 1, both in
+    site 0's one process): round 1's applied average (error feedback
     still zero) against a float64 reference of the sites' whole pseudo-gradients δ_c = φ₀ − θ_c in canonical
     layout: |φ₁ − (φ₀ − Σ w_c δ_c)| ≤ Σ w_c · absmax(δ_c over its tensor) / (2 · 7) per element (the int4 bound
     of compression/quantize.py, each block's absmax at most its tensor's) plus fp32 rounding; the error is not
@@ -93,13 +128,13 @@ def test_two_layouts_int4_average_within_the_quantization_bound(corpus, tmp_path
     codes, logs = run_on_cpu(2, 1, tiny_gpt_flags(corpus, 8),
                              tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-overlap", "none", "--dilocox-no-lowrank",
                                                 "--dilocox-outer-lr", "1.0", "--dilocox-outer-momentum", "0",
-                                                "--dilocox-outer-lr-warmup-iters", "0"),
+                                                "--dilocox-outer-lr-warmup-iters", "0", "--dilocox-lanes", "2"),
                              per_cluster_args={1: ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"]},
                              nproc_by_cluster={1: 2}, env={"DILOCOX_DUMP_ROUNDS": str(dump)}, timeout=420)
     assert codes == [0, 0], failure_report(logs)
     rows = rows_of(tmp_path, 2)
     assert [r["round"] for r in rows[0]] == [1, 2]
-    d0, d1 = (torch.load(dump / f"c{c}_it4.pt") for c in range(2))
+    d0, d1 = (load_dump(dump, c, 4) for c in range(2))
     assert torch.equal(d0["phi_before"], d1["phi_before"]) and torch.equal(d0["phi"], d1["phi"])
     phi0, weights = d0["phi_before"].double(), (1 / 3, 2 / 3)
     deltas = [phi0 - d["theta"].double() for d in (d0, d1)]
@@ -111,8 +146,7 @@ def test_two_layouts_int4_average_within_the_quantization_bound(corpus, tmp_path
     assert bool((err <= bound + 8 * 2.0 ** -23 * ref.abs().max()).all()), float((err - bound).max())
     avg = sum(w * d for w, d in zip(weights, deltas))
     assert 0 < float(err.norm()) < 0.1 * float(avg.norm()), (float(err.norm()), float(avg.norm()))
-    closed = [max(json.loads(line.split("DiLoCoX layout ", 1)[1])["round_bytes"] for line in log.lines
-                  if "DiLoCoX layout {" in line) for log in logs]  # (site 1's rank 1 exchanges nothing)
+    closed = [max(line["round_bytes"] for line in layout_lines(log)) for log in logs]  # (the site's, on each rank)
     assert closed[0] == closed[1] and all(r["bytes_sent"] == closed[0] for rs in rows for r in rs), closed
     print(f"SITES int4 round 1: max err / bound {float((err / bound.clamp_min(1e-30)).max()):.3f}, RMS err / RMS "
           f"average {float(err.norm() / avg.norm()):.4f}, {closed[0]} B per round per site, {sum(sizes)} values")
@@ -120,7 +154,8 @@ def test_two_layouts_int4_average_within_the_quantization_bound(corpus, tmp_path
 
 def test_three_sites_three_layouts_compressed(corpus, tmp_path):
     """TP1 PP1 (one process), TP2 (two: QKV of grouped-query attention and SwiGLU's fc1 split over TP), and DP2
-    with the distributed optimizer (two: flat shards), meeting at a standalone coordinator: the defaults' int4
+    with the distributed optimizer (two: flat shards), meeting at a standalone coordinator, in two lanes (one rank
+    of a two-rank site each, both in the one-process site): the defaults' int4
     low-rank exchange on the canonical matrices, eager rounds landing two steps into the next (each site's ranks
     move θ at the landings too); every round's hash equal on the three sites, the same
     closed-form bytes on each, and the three layouts evaluate the final global model to the same loss (a
@@ -131,7 +166,8 @@ def test_three_sites_three_layouts_compressed(corpus, tmp_path):
     try:
         codes, logs = run_on_cpu(3, 1, tiny_gpt_flags(corpus, 8, *model),
                                  tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-coordinator", "standalone",
-                                                    "--dilocox-overlap-steps", "2"),  # (landings inside rounds)
+                                                    "--dilocox-overlap-steps", "2",  # (landings inside rounds)
+                                                    "--dilocox-lanes", "2"),
                                  per_cluster_args={1: ["--tensor-model-parallel-size", "2"],
                                                    2: ["--use-distributed-optimizer",  # (the corpus has two shards)
                                                        "--train-data-path", f"{corpus}/train_c1_text_document"]},

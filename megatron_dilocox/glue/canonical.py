@@ -35,11 +35,12 @@ from typing import Optional
 import torch
 
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
+from megatron_dilocox.glue import lanes
 from megatron_dilocox.glue.param_views import leaf_optimizers, _owned_pairs
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.clock import RunClock
 from megatron_dilocox.outer.auto import make_sync
-from megatron_dilocox.outer.cluster import SingleRank
+from megatron_dilocox.net.topology import InterClusterGroup, connect_store
 
 log = logging.getLogger("megatron_dilocox")
 DUMP_ENV = "DILOCOX_DUMP_ROUNDS"
@@ -83,27 +84,12 @@ def _sharded_tensors(model_chunks) -> list:
     return out
 
 
-def _piece_index(st) -> torch.Tensor:
-    """Flat index inside its unit (one layer's global tensor) of every element of ``st.data``, row-major."""
-    n = st.prepend_axis_num
-    shape_g, offset, local = st.global_shape[n:], st.global_offset[n:], st.local_shape
-    strides = [1] * len(shape_g)
-    for d in range(len(shape_g) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape_g[d + 1]
-    idx = torch.zeros((), dtype=torch.int64)
-    for d, (o, m, s) in enumerate(zip(offset, local, strides)):
-        view = [1] * len(local)
-        view[d] = m
-        idx = idx + ((o + torch.arange(m, dtype=torch.int64)) * s).view(view)
-    return idx.expand(tuple(local)).reshape(-1)
-
-
 @dataclasses.dataclass
 class Layout:
     units: list  # (key, layer offsets, shape), sorted: identical on every site of the same model
     bases: list  # start of each unit in the canonical flat vector
     views: list  # this rank's fp32 main-param shards (flat), in order
-    index: torch.Tensor  # canonical flat index of each element of cat(views)
+    runs: lanes.Runs  # where each run of the views lies in the canonical flat vector, and which are read here
 
     @property
     def numel(self) -> int:
@@ -114,12 +100,14 @@ class Layout:
 
 
 def build_layout(model_chunks, inner) -> Layout:
-    """Map every fp32 main-param element this rank's optimizer steps to its canonical index (collective over the
+    """Map every fp32 main-param run this rank's optimizer steps to its canonical range (collective over the
     site: the unit lists of all pipeline stages are merged)."""
     params = [p for chunk in model_chunks for p in chunk.parameters()]
     spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i) for i, p in enumerate(params))
     starts = [s for s, _, _ in spans]
-    pieces = []  # (param index, first element, unit, in-unit index)
+    pieces = []  # (param index, unit, parameter offsets, in-unit offsets, lengths, main replica)
+    leaves = [leaf for leaf in leaf_optimizers(inner) if not getattr(leaf, "is_stub_optimizer", False)]
+    distributed = any(hasattr(leaf, "shard_fp32_from_float16_groups") for leaf in leaves)
     for st in _sharded_tensors(model_chunks):
         ptr = st.data.data_ptr()
         k = bisect.bisect_right(starts, ptr) - 1
@@ -127,8 +115,9 @@ def build_layout(model_chunks, inner) -> Layout:
             continue  # not a parameter of these chunks (a buffer)
         p = params[spans[k][2]]
         unit = (st.key, tuple(st.global_offset[:st.prepend_axis_num]), tuple(st.global_shape[st.prepend_axis_num:]))
-        pieces.append((spans[k][2], (ptr - p.data_ptr()) // p.element_size(), unit, _piece_index(st)))
-    mine = sorted({u for _, _, u, _ in pieces})
+        runs = lanes.piece_runs(st, (ptr - p.data_ptr()) // p.element_size())
+        pieces.append((spans[k][2], unit, *runs, lanes.is_main_replica(st.replica_id, distributed)))
+    mine = sorted({piece[1] for piece in pieces})
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     units = sorted({u for us in everyone for u in us})
@@ -140,31 +129,36 @@ def build_layout(model_chunks, inner) -> Layout:
     for u in units:
         bases[u] = total
         total += torch.Size(u[2]).numel()
-    element_map = {}
-    for pi, first, unit, idx in pieces:
-        m = element_map.setdefault(pi, torch.full((params[pi].numel(),), -1, dtype=torch.int64))
-        m[first:first + idx.numel()] = idx + bases[unit]
-    views, index = [], []
+    by_param: dict = {}
+    for pi, unit, p_off, u_off, length, main in pieces:
+        by_param.setdefault(pi, []).append((p_off, u_off + bases[unit], length, main))
+    views, parts = [], []
     by_id = {id(p): i for i, p in enumerate(params)}
-    for leaf in leaf_optimizers(inner):
-        if getattr(leaf, "is_stub_optimizer", False):
-            continue
-        for main, model_param, start, end in _owned_pairs(leaf):
+    for leaf in leaves:
+        for main_param, model_param, start, end in _owned_pairs(leaf):
             pi = by_id.get(id(model_param))
-            idx = element_map.get(pi) if pi is not None else None
-            if idx is None or bool((idx[start:end] < 0).any()):
+            found = by_param.get(pi, []) if pi is not None else []
+            v = len(views)
+            covered = 0
+            for p_off, canon, length, main in found:
+                at, canon, length = lanes.clip_to_shard(p_off, canon, length, start, end)
+                covered += int(length.sum())
+                parts.append((torch.full_like(at, v), at, canon, length, torch.full(at.shape, main, dtype=torch.bool)))
+            if covered != end - start:
                 raise RuntimeError(f"DiLoCoX canonical layout: a parameter of shape {tuple(model_param.shape)} is not "
                                    f"(wholly) in Megatron's sharded state dict; use --dilocox-exchange-layout local")
-            views.append(main.data.view(-1))
-            index.append(idx[start:end])
-    index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
-    return Layout(units, [bases[u] for u in units], views, index)
+            views.append(main_param.data.view(-1))
+    return Layout(units, [bases[u] for u in units], views, lanes.Runs.cat(parts))
 
 
 class CanonicalSite:
-    """The site's side of the canonical exchange; the interface the seam uses of a DiLoCoXSync (see module docstring)."""
+    """The site's side of the canonical exchange; the interface the seam uses of a DiLoCoXSync (see module docstring).
 
-    def __init__(self, layout: Layout, cfg: DiLoCoXConfig, group, metrics_file: Optional[str], train_iters):
+    Built in two steps, so that the resume agreement (glue/checkpoints.py) runs between them over lane 0's group:
+    ``CanonicalSite(...)`` places the lanes and joins each owned lane's inter-site group; ``make_syncs`` starts
+    each owned lane's round logic."""
+
+    def __init__(self, layout: Layout, cfg: DiLoCoXConfig, fingerprint: dict):
         dist = torch.distributed
         self.layout, self.cfg = layout, cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -173,36 +167,58 @@ class CanonicalSite:
         self.iteration, self.stopped, self.joined_midrun = 0, None, False
         # (ranks but 0) rank 0's clock and round figures at the last change, and this rank's iteration then
         self._clock, self._site, self._site_at = RunClock(), {}, 0
-        device = layout.views[0].device if layout.views else torch.device("cpu")
-        self.device = device
-        # who sends what: rank 0 learns every rank's indices once; each element is gathered from its first owner
-        indices = [None] * self.world
-        dist.gather_object(layout.index, indices if self.rank == 0 else None, dst=0)
-        first = [None] * self.world
-        if self.rank == 0:
-            seen = torch.zeros(layout.numel, dtype=torch.bool)
-            for r, idx in enumerate(indices):
-                first[r] = ~seen[idx]
-                seen[idx] = True
-            if not bool(seen.all()):
-                missing = int((~seen).sum())
-                raise RuntimeError(f"DiLoCoX canonical layout: {missing} elements of the model are held by no rank")
-            self.indices = indices
-            self.primary_indices = [idx[f] for idx, f in zip(indices, first)]
-        mask = [None]
-        dist.scatter_object_list(mask, first if self.rank == 0 else None, src=0)
-        self.primary = mask[0]
-        sizes = [None] * self.world
-        dist.all_gather_object(sizes, (int(self.primary.sum()), layout.index.numel()))
-        self.send_max = max(s for s, _ in sizes)
-        self.recv_max = max(n for _, n in sizes)
-        self.sync = None
-        if self.rank == 0:
-            self.theta = torch.zeros(layout.numel, dtype=torch.float32)
-            tensors = [self.theta[b:b + torch.Size(s).numel()].view(s) for b, (_, _, s) in zip(layout.bases, layout.units)]
-            single = dataclasses.replace(cfg, slow_link_fragments=1)  # (fragments are refused in this mode)
-            self.sync = make_sync(tensors, single, group, SingleRank(), MetricsWriter(metrics_file),
-                                  train_iters=train_iters)
+        self.device = layout.views[0].device if layout.views else torch.device("cpu")
+        units = lanes.split_lanes([torch.Size(s).numel() for _, _, s in layout.units], cfg.lanes)
+        self.lane_units = units
+        bounds = [(layout.bases[a], layout.bases[b] if b < len(layout.units) else layout.numel) for a, b in units]
+        self.mover = lanes.LaneMover(layout.views, layout.runs, bounds, self.world, self.rank, self.device)
+        self.owned = [k for k, r in enumerate(self.mover.owner) if r == self.rank]
+        self.threads = lanes.LaneThreads(self.owned)
+        self.theta = {k: torch.zeros(hi - lo, dtype=torch.float32) for k, (lo, hi) in zip(range(cfg.lanes), bounds)
+                      if k in self.owned}
+        store = dist.distributed_c10d._get_default_store()
+
+        def connect(k):
+            intra = lanes.LaneIntra(store, k, cfg.lanes, cfg.timeout_seconds)
+            group = None
+            if cfg.num_clusters > 1:
+                inter = connect_store(cfg, host_store=(cfg.cluster_id == 0 and k == 0))
+                group = InterClusterGroup(cfg, k, inter, fingerprint, local_world=cfg.lanes)
+            return intra, group
+        joined = self.threads.map(connect)
+        self.intra = {k: i for k, (i, _) in joined.items()}
+        self.groups = {k: g for k, (_, g) in joined.items()}
+        self.lanes: dict = {}  # lane -> its round logic (a DiLoCoXSync), on its owner
+        self.sync = None  # lane 0's, on rank 0: it decides which steps change θ and holds the run's clock
+
+    @property
+    def lead_group(self):
+        """Lane 0's inter-site group (rank 0; None elsewhere)."""
+        return self.groups.get(0)
+
+    @property
+    def joining(self) -> bool:
+        return any(g is not None and g.joining for g in self.groups.values())
+
+    def make_syncs(self, metrics_file: Optional[str], train_iters):
+        single = dataclasses.replace(self.cfg, slow_link_fragments=1)  # (fragments are refused in this mode)
+        layout = self.layout
+        for k in self.owned:
+            a, b = self.lane_units[k]
+            base = layout.bases[a]
+            tensors = [self.theta[k][layout.bases[u] - base:layout.bases[u] - base + torch.Size(layout.units[u][2]).numel()]
+                       .view(layout.units[u][2]) for u in range(a, b)]
+            self.lanes[k] = make_sync(tensors, single, self.groups[k], self.intra[k],
+                                      MetricsWriter(metrics_file if k == 0 else None), train_iters=train_iters)
+        self.sync = self.lanes.get(0)
+
+    def plan_tokens(self, token_budget: float, tokens_per_step: float):
+        for s in self.lanes.values():
+            s.plan_tokens(token_budget, tokens_per_step)
+
+    def outer_state_bytes(self) -> int:
+        """Bytes of the tensors this rank keeps for its lanes: their θ and everything their round logic holds."""
+        return lanes.held_bytes([self.theta, self.lanes])
 
     # ------------------------------------------------------------------------------------ moving θ
     def _flag(self, values: list[float]) -> list[float]:
@@ -210,46 +226,24 @@ class CanonicalSite:
         torch.distributed.broadcast(t, src=0)
         return t.tolist()
 
-    @torch.no_grad()
     def _gather(self):
-        """θ from the owners into rank 0's canonical vector."""
-        mine = torch.cat([v.float() for v in self.layout.views])[self.primary] if self.layout.views else \
-            torch.zeros(0, device=self.device)
-        buf = torch.zeros(self.send_max, dtype=torch.float32, device=self.device)
-        buf[:mine.numel()] = mine
-        out = [torch.empty_like(buf) for _ in range(self.world)] if self.rank == 0 else None
-        torch.distributed.gather(buf, out, dst=0)
-        if self.rank == 0:
-            for idx, vals in zip(self.primary_indices, out):
-                self.theta[idx] = vals[:idx.numel()].cpu()
+        """θ from the main replicas into the owned lanes."""
+        self.mover.gather(self.theta)
 
-    @torch.no_grad()
-    def _scatter(self, source: Optional[torch.Tensor] = None, into: Optional[list] = None):
-        """``source`` (rank 0's canonical vector, default θ) to every holder: into ``into`` (default: the main
-        params) on every rank."""
-        parts = None
-        if self.rank == 0:
-            src = self.theta if source is None else source
-            parts = []
-            for idx in self.indices:
-                buf = torch.zeros(self.recv_max, dtype=torch.float32, device=self.device)
-                buf[:idx.numel()] = src[idx].to(self.device)
-                parts.append(buf)
-        buf = torch.empty(self.recv_max, dtype=torch.float32, device=self.device)
-        torch.distributed.scatter(buf, parts, src=0)
-        targets = self.layout.views if into is None else into
-        at = 0
-        for v in targets:
-            v.copy_(buf[at:at + v.numel()].view_as(v))
-            at += v.numel()
+    def _scatter(self, source: Optional[dict] = None, into: Optional[list] = None):
+        """``source`` (lane -> vector, default θ) to every holder: into ``into`` (default: the main params)."""
+        self.mover.scatter(self.theta if source is None else source, into)
+
+    def _each(self, fn):
+        """``fn(sync)`` for every owned lane, at once (module lanes.py: LaneThreads)."""
+        return self.threads.map(lambda k: fn(self.lanes[k]))
 
     # ------------------------------------------------------------------------------------ as DiLoCoXSync
     def start(self):
         """θ ← the global model: cluster 0's, or (a site restarted under --dilocox-on-peer-failure continue,
-        perhaps with another layout) the running sites' state, handed to rank 0 in canonical layout."""
+        perhaps with another layout) the running sites' state, handed to each lane's owner in canonical layout."""
         self._gather()
-        if self.sync is not None:
-            self.sync.start()
+        self._each(lambda s: s.start())
         s = self.sync
         joined, iteration = self._flag([float(s.joined_midrun) if s else 0.0, float(s.iteration) if s else 0.0])
         self.joined_midrun, self.iteration = bool(joined), int(iteration)
@@ -264,15 +258,16 @@ class CanonicalSite:
             n = s.steps_in_round + 1
             due = float(n >= s.h or (s.delayed and n == s.tau and (s._in_flight is not None or s._done is not None)))
         if not self._flag([due])[0]:
-            if s is not None and s.after_inner_step(tokens=tokens):
+            if any(self._each(lambda x: x.after_inner_step(tokens=tokens)).values()):
                 raise RuntimeError("DiLoCoX canonical exchange: the round changed θ at a step it had not announced")
             return False
         self._gather()
-        if s is not None:
-            before = (self.theta.clone(), self._phi()) if DUMP_ENV in os.environ else None
-            s.after_inner_step(tokens=tokens)
-            if before is not None:
-                self._dump(*before)
+        dump = DUMP_ENV in os.environ
+        before = {k: (self.theta[k].clone(), self._phi(k)) for k in self.owned} if dump else None
+        self._each(lambda x: x.after_inner_step(tokens=tokens))
+        if before:
+            for k, (theta, phi) in before.items():
+                self._dump(k, theta, phi)
         self._scatter()
         self._after_change()
         return True
@@ -280,17 +275,20 @@ class CanonicalSite:
     SITE_FIELDS = ("h", "steps_in_round", "token_budget", "tokens_per_step")
 
     def _after_change(self):
-        """(Every rank, after a step that changed θ) what rank 0's round decided: a stop, and the run's clock with
-        the site's round figures (its position, and its progress for the LR schedule)."""
+        """(Every rank, after a step that changed θ) what lane 0's round decided: a stop (on any lane of the site),
+        and the run's clock with the site's round figures (its position, and its progress for the LR schedule)."""
         s = self.sync
         site = [float(getattr(s, k)) if s is not None else 0.0 for k in self.SITE_FIELDS]
         clock = s.clock.as_floats() if s is not None else self._clock.as_floats()
-        vals = self._flag([float(bool(s is not None and s.stopped))] + site + clock)
-        if vals[0] and self.stopped is None:
-            self.stopped = s.stopped if s is not None else "DiLoCoX stopped on this site's rank 0 (see its log)"
+        stopped = next((x.stopped for x in self.lanes.values() if x.stopped), None)
+        t = torch.tensor([float(stopped is not None)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        vals = self._flag(site + clock)
+        if float(t.item()) and self.stopped is None:
+            self.stopped = stopped or "DiLoCoX stopped on another rank of this site (see its log)"
         if s is None:
-            self._site, self._site_at = dict(zip(self.SITE_FIELDS, vals[1:1 + len(site)])), self.iteration
-            self._clock = RunClock.from_floats(vals[1 + len(site):])
+            self._site, self._site_at = dict(zip(self.SITE_FIELDS, vals[:len(site)])), self.iteration
+            self._clock = RunClock.from_floats(vals[len(site):])
 
     @property
     def clock(self) -> RunClock:
@@ -310,29 +308,29 @@ class CanonicalSite:
         return self.sync.position() if self.sync is not None else None
 
     def request_end(self):
-        if self.sync is not None:
-            self.sync.request_end()
+        for s in self.lanes.values():
+            s.request_end()
 
-    def _phi(self) -> torch.Tensor:
-        return torch.cat([a.reshape(-1) for a in self.sync.global_params()]).clone()
+    def _phi(self, k: int) -> torch.Tensor:
+        return torch.cat([a.reshape(-1) for a in self.lanes[k].global_params()]).clone()
 
-    def _dump(self, theta_before: torch.Tensor, phi_before: torch.Tensor):
-        """$DILOCOX_DUMP_ROUNDS=DIR (an audit aid; the tests' float64 reference reads it): θ and φ as they were
-        before the step's hook and φ after it, canonical layout, one file per changing step."""
-        path = os.path.join(os.environ[DUMP_ENV], f"c{self.cfg.cluster_id}_it{self.iteration}.pt")
+    def _dump(self, k: int, theta_before: torch.Tensor, phi_before: torch.Tensor):
+        """$DILOCOX_DUMP_ROUNDS=DIR (an audit aid; the tests' float64 reference reads it): lane k's θ and φ as they
+        were before the step's hook and φ after it, canonical layout, one file per lane and changing step."""
+        a, b = self.lane_units[k]
+        path = os.path.join(os.environ[DUMP_ENV], f"c{self.cfg.cluster_id}_it{self.iteration}_lane{k}.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"iteration": self.iteration, "rounds": len(self.sync.rows), "theta": theta_before,
-                    "phi_before": phi_before, "phi": self._phi(), "units": self.layout.units}, path)
+        torch.save({"iteration": self.iteration, "rounds": len(self.lanes[k].rows), "theta": theta_before,
+                    "phi_before": phi_before, "phi": self._phi(k), "units": self.layout.units[a:b]}, path)
 
     def finalize(self):
         self._gather()
-        if self.sync is not None:
-            self.sync.finalize()
+        self._each(lambda s: s.finalize())
         self._scatter()
 
     def close(self):
-        if self.sync is not None:
-            self.sync.close()
+        self._each(lambda s: s.close())
+        self.threads.close()
 
     @property
     def rows(self) -> list:
@@ -343,26 +341,31 @@ class CanonicalSite:
         return self.layout.views  # (non-empty once started: the seam's "started" test)
 
     def global_params(self) -> list:
-        """φ on this rank, in the shape of ``params`` (a collective: rank 0 scatters it)."""
+        """φ on this rank, in the shape of ``params`` (a collective: each lane's owner sends its part)."""
         out = [torch.empty_like(v) for v in self.layout.views]
-        anchor = None
-        if self.rank == 0:
-            anchor = torch.cat([a.reshape(-1) for a in self.sync.global_params()])
-        self._scatter(anchor, out)
+        self._scatter({k: torch.cat([a.reshape(-1) for a in s.global_params()]) for k, s in self.lanes.items()}, out)
         return out
 
     def state_dict(self) -> dict:
-        return self.sync.state_dict() if self.sync is not None else {}
+        """Lane -> its round state, for the lanes this rank owns (seam.py saves one object per lane)."""
+        return {k: {**s.state_dict(), "lanes": self.cfg.lanes} for k, s in self.lanes.items()}
 
     def load_state_dict(self, state: dict):
-        if self.sync is not None:  # (θ is the checkpoint's model, in the main params: gathered at the next round)
-            self.sync.load_state_dict(state)
-            self.iteration = self.sync.iteration
-        self.iteration = int(self._flag([float(self.iteration)])[0])
+        """``state``: lane -> its saved round state, for (at least) the lanes this rank owns."""
+        for k, s in self.lanes.items():
+            mine = dict(state[k])
+            if mine.pop("lanes", self.cfg.lanes) != self.cfg.lanes:
+                raise DiLoCoXConfigError(f"the checkpoint's DiLoCoX state was saved with another --dilocox-lanes than "
+                                         f"{self.cfg.lanes}: resume with the value it was saved with")
+            s.load_state_dict(mine)
+        self.iteration = int(self._flag([float(self.sync.iteration if self.sync is not None else 0)])[0])
         self._after_change()  # the checkpoint's clock on every rank: their decisions agree from the first step
 
     def layout_summary(self, rank: int) -> dict:
-        s = self.sync
+        mine = sum(s.codec.round_bytes(s.codec.rank, self.cfg.num_clusters) for s in self.lanes.values())
+        t = torch.tensor([float(mine)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
         return {"rank": rank, "exchange_layout": "canonical", "units": len(self.layout.units),
-                "numel": self.layout.numel, "owned": self.layout.index.numel(),
-                "round_bytes": s.codec.round_bytes(s.codec.rank, self.cfg.num_clusters) if s is not None else 0}
+                "numel": self.layout.numel, "owned": self.layout.runs.numel(), "lanes": self.owned,
+                "lane_numel": [self.mover.numel(k) for k in self.owned], "outer_state_bytes": self.outer_state_bytes(),
+                "round_bytes": int(t.item())}

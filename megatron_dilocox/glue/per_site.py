@@ -82,6 +82,5 @@ def _marks(args):
 
 def plan_tokens(opt, args):
     """--dilocox-per-site-h: this site's planned tokens for the run, before the sites add theirs up at start."""
-    core = getattr(opt.sync, "sync", opt.sync)  # (canonical: rank 0's sync; None on the other ranks)
-    if opt.cfg.per_site_h and core is not None:
-        core.plan_tokens(run_iters(args) * opt.tokens_per_step, opt.tokens_per_step)
+    if opt.cfg.per_site_h:  # (canonical: every lane this rank owns)
+        opt.sync.plan_tokens(run_iters(args) * opt.tokens_per_step, opt.tokens_per_step)

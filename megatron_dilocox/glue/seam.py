@@ -125,29 +125,26 @@ class DiLoCoXOptimizer:
         log.info("DiLoCoX layout %s", json.dumps(layout))
 
     def _start_canonical(self, cfg: DiLoCoXConfig, args, model_chunks):
-        """Sites of different layouts (canonical.py): rank 0 of each site exchanges the canonical model."""
+        """Sites of different layouts (canonical.py): the canonical model in lanes over the site's ranks."""
         from megatron_dilocox.glue import canonical
         canonical.check_supported(cfg, args)
         layout = canonical.build_layout(model_chunks, self.inner)
         rank = torch.distributed.get_rank()
-        group = None
-        if rank == 0 and cfg.num_clusters > 1:
-            store = connect_store(cfg, host_store=(cfg.cluster_id == 0))
-            group = InterClusterGroup(cfg, 0, store, fingerprint(cfg, args, layout.views, layout), local_world=1)
+        site = canonical.CanonicalSite(layout, cfg, fingerprint(cfg, args, layout.views, layout))
         intra = TorchDistCluster()
-        joining = intra.reduce([float(group is not None and group.joining)], "max")[0]  # (rank 0's group knows)
+        joining = intra.reduce([float(site.joining)], "max")[0]  # (the lanes' groups know)
         if not joining:  # a rejoining site takes the running sites' state instead
-            checkpoints.agree_on_resume_iteration(cfg, args, group, intra)  # (rank 0 decides for the site)
+            checkpoints.agree_on_resume_iteration(cfg, args, site.lead_group, intra)  # (rank 0 decides for the site)
         self.view_kinds = ["dense"] * len(layout.views)
-        self.sync = canonical.CanonicalSite(layout, cfg, group, cfg.metrics_file if rank == 0 else None,
-                                            run_iters(args))
+        site.make_syncs(cfg.metrics_file if rank == 0 else None, run_iters(args))
+        self.sync = site
         per_site.plan_tokens(self, args)
         with torch.no_grad():
             self.sync.start()  # every site starts from cluster 0's model
             self._refresh_model_params()
-        log.info("DiLoCoX on: cluster %d of %d, canonical exchange: %d global tensors, %d values (%d owned here), "
-                 "H=%d, overlap=%s", cfg.cluster_id, cfg.num_clusters, len(layout.units), layout.numel,
-                 layout.index.numel(), cfg.h, cfg.overlap)
+        log.info("DiLoCoX on: cluster %d of %d, canonical exchange: %d global tensors, %d values (%d held here), "
+                 "%d lanes (%s here), H=%d, overlap=%s", cfg.cluster_id, cfg.num_clusters, len(layout.units),
+                 layout.numel, layout.runs.numel(), cfg.lanes, site.owned, cfg.h, cfg.overlap)
         log.info("DiLoCoX layout %s", json.dumps(self.sync.layout_summary(rank)))
 
     def layout(self, rank: int) -> dict:
@@ -260,9 +257,11 @@ class DiLoCoXOptimizer:
         state = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, **kwargs)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         data = None if is_loading else self.sync.state_dict()
-        if self.cfg.exchange_layout == "canonical":  # one object, rank 0's, whatever the site's layout: a site
-            # may resume with another process count (every rank loads it; canonical.py uses it on rank 0)
-            state[STATE_KEY] = ShardedObject(f"optimizer.{STATE_KEY}.canonical", data, (1,), (0,), replica_id=rank)
+        if self.cfg.exchange_layout == "canonical":  # one object per lane, saved by its owner: a site may resume
+            # with another process count (each rank loads the lanes it then owns)
+            lanes = self.cfg.lanes
+            state[STATE_KEY] = {k: ShardedObject(f"optimizer.{STATE_KEY}.canonical", None if data is None else data[k],
+                                                 (lanes,), (k,), replica_id=0) for k in self.sync.owned}
         else:
             state[STATE_KEY] = ShardedObject(f"optimizer.{STATE_KEY}.state", data, (world,), (rank,), replica_id=0)
         return state
@@ -274,6 +273,11 @@ class DiLoCoXOptimizer:
             log.warning("DiLoCoX: rejoined mid-run; the checkpoint's DiLoCoX state and model are superseded by "
                         "the running clusters' (its inner optimizer state is kept)")
             return
+        if self.cfg.exchange_layout == "canonical":  # lane -> state, for the lanes this rank owns
+            ours = {k: getattr(v, "data", v) for k, v in (ours or {}).items()}
+            complete = float(all(ours.get(k) is not None for k in self.sync.owned))
+            if TorchDistCluster().reduce([complete], "sum")[0] < torch.distributed.get_world_size():
+                ours = None  # (on every rank of the site alike: start() is a collective)
         if ours is None:
             log.warning("DiLoCoX: the checkpoint has no DiLoCoX state; starting rounds afresh from its model")
             with torch.no_grad():
