@@ -185,9 +185,9 @@ class DiLoCoXConfig:
                                           "layout: each site's rank 0 exchanges the whole model as global tensors "
                                           "by name (docs/algorithm.md#canonical-exchange-layout)")
 
-    lanes: int = knob(1, "canonical layout: the model is exchanged in this many lanes of whole tensors, lane k by "
-                         "rank k mod W of a W-rank site, which keeps only its lanes' outer state; every site must "
-                         "give the same value (docs/algorithm.md#lanes)")
+    lanes: int = knob(1, "canonical layout: the model is exchanged in this many lanes of whole tensors, spread over "
+                         "each site's ranks (lane 0 on rank 0), each rank keeping only its lanes' outer state; every "
+                         "site must give the same value (docs/algorithm.md#lanes)")
 
     # Output.
     metrics_file: Optional[str] = knob(None, "JSONL file for per-round metrics (one row per round per cluster)")

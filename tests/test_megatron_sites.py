@@ -210,15 +210,18 @@ def test_different_models_are_refused_naming_the_difference(corpus, tmp_path):
 
 
 @pytest.mark.slow  # CI: the composition matrix's canonical restart (site 1 back on one process instead of two)
-def test_a_site_killed_mid_round_resumes_with_another_process_count(corpus, tmp_path):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_site_killed_mid_round_resumes_with_another_process_count(corpus, tmp_path, lanes):
     """Site 1 (TP1 PP2, two processes) is SIGKILLed mid-round; site 0 stops under the stop policy. Both restart
     from their checkpoints, site 1 now as TP1 PP1 (one process: its torch_dist checkpoint is resharded, and the
-    DiLoCoX state is one object whatever the layout): every cluster resumes at the newest iteration complete on
-    both, trains to the end, and after the restart every round's hash is equal on both."""
+    DiLoCoX state is one object per lane whatever the layout; in two lanes the one process loads both, which two
+    ranks saved): every cluster resumes at the newest iteration complete on both, trains to the end, and after
+    the restart every round's hash is equal on both."""
     iters = 16
     megatron = tiny_gpt_flags(corpus, iters, "--save", f"{tmp_path}/ckpt_c{{cluster}}", "--load",
                               f"{tmp_path}/ckpt_c{{cluster}}", "--save-interval", "4", "--ckpt-format", "torch_dist")
-    dilocox = tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-on-peer-failure", "stop", "--dilocox-timeout", "10")
+    dilocox = tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-on-peer-failure", "stop", "--dilocox-timeout", "10",
+                                 "--dilocox-lanes", str(lanes))
     cl = start_on_cpu(2, 1, megatron, dilocox, per_cluster_args={1: ["--pipeline-model-parallel-size", "2"]},
                       nproc_by_cluster={1: 2})
     try:
@@ -417,14 +420,16 @@ def test_a_per_site_run_reads_the_validation_samples_a_lockstep_run_reads(corpus
 
 
 @pytest.mark.slow
-def test_a_site_lost_under_continue_rejoins_with_another_layout(corpus, tmp_path):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_site_lost_under_continue_rejoins_with_another_layout(corpus, tmp_path, lanes):
     """--dilocox-on-peer-failure continue: site 1 (TP1 PP2, two processes) is SIGKILLed mid-round; site 0 goes on
     alone and trains every one of its iterations; site 1 restarts as TP1 PP1 (one process), is admitted at a
-    round boundary with the canonical state, moves to the running site's iteration, and from then on every
-    round's hash is equal on both."""
+    round boundary with the canonical state (in two lanes: each lane's, both to the one process), moves to the
+    running site's iteration, and from then on every round's hash is equal on both."""
     iters, port = 400, free_port()
     megatron = tiny_gpt_flags(corpus, iters)
-    dilocox = tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-on-peer-failure", "continue", "--dilocox-timeout", "20")
+    dilocox = tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-on-peer-failure", "continue", "--dilocox-timeout", "20",
+                                 "--dilocox-lanes", str(lanes))
     env = {"DILOCOX_SECRET": SECRET}
     cl = start_on_cpu(2, 1, megatron, dilocox, per_cluster_args={1: ["--pipeline-model-parallel-size", "2"]},
                       nproc_by_cluster={1: 2}, rendezvous_port=port, env=env)

@@ -8,17 +8,17 @@ halves by Megatron's factory, the tied output layer marked as a replica of the e
 leading axis that is cut off here, so a unit is one layer's matrix). Units are sorted by (key, layer), so every
 site derives the same list, and the codec compresses these global matrices: every site encodes the same ones.
 
-Inside a site, rank 0 is the exchange rank (one lane): at a step that changes θ it gathers θ from the ranks that
-own each element (the first owner of a replicated element, e.g. a DP replica or the tied output layer), runs the
-unmodified ``DiLoCoXSync`` on the canonical tensors with the other sites' rank 0, and scatters the new θ to every
-holder. Which steps change θ (a boundary or a landing) rank 0 knows before it runs the hook and tells the site's
-ranks each step (one small broadcast). The rows' hash is the hash of the whole global model in canonical layout,
-so it is comparable across sites whatever their layouts.
+Inside a site the canonical model is cut into lanes (lanes.py; one by default, on rank 0): at a step that changes
+θ the site gathers θ to each lane's owner from the main replica of every element (a DP replica or the tied output
+layer is read once), each owner runs the unmodified ``DiLoCoXSync`` on its lanes' canonical tensors with the other
+sites' owners of the same lanes, and the new θ goes back to every holder. Which steps change θ (a boundary or a
+landing) rank 0, lane 0's owner, knows before it runs the hook and tells the site's ranks each step (one small
+broadcast). The rows' hash is the hash of the whole global model in canonical layout, combined over the lanes, so
+it is comparable across sites whatever their layouts.
 
-Cost and limits: rank 0 keeps the outer state of the whole model (φ, momentum, round start, error feedback,
-three codec slabs: ~7 fp32 copies in host memory), so this mode suits models whose copies fit one node's memory;
-lanes over several exchange ranks are the way to larger models and are not built. Refused before training, each
-naming its flag: --dilocox-fragments > 1 (and the slow-link switch to fragments is off) and MoE (--num-experts).
+Cost: each owner keeps its lanes' outer state (~7 fp32 copies of their values, on the host); with one lane that is
+rank 0 holding the whole model's, which is what --dilocox-lanes spreads (docs/algorithm.md#lanes). Refused before
+training, each naming its flag: --dilocox-fragments > 1 (and the slow-link switch to fragments is off) and MoE (--num-experts).
 A site may rejoin a run in progress (--dilocox-on-peer-failure continue) with another layout than the one it left
 with: what it is handed is canonical. Padded vocabularies that differ between sites
 (--make-vocab-size-divisible-by x TP) are refused at the rendezvous, which compares the canonical units.
