@@ -102,3 +102,21 @@ def test_held_bytes_counts_each_storage_once():
     holder = type("Holder", (), {"__module__": "megatron_dilocox.test"})()  # (only the package's objects are walked)
     holder.x, holder.y, holder.z = a, a[2:5], [torch.zeros(3, dtype=torch.float64)]
     assert lanes.held_bytes({"h": holder, "again": a}) == 40 + 24
+
+
+def test_chunks_cut_runs_alike_at_most_size_values_each():
+    lengths = [5, 0, 12, 3, 7]
+    pieces = list(lanes.chunks(lengths, 8))
+    assert all(sum(n for _, _, n in p) <= 8 for p in pieces)
+    assert [sum(n for _, _, n in p) for p in pieces] == [8, 8, 8, 3]
+    covered = {}
+    for p in pieces:
+        for i, a, n in p:
+            assert a == covered.get(i, 0)  # each run's parts in order, without a gap
+            covered[i] = a + n
+    assert covered == {i: n for i, n in enumerate(lengths) if n}
+
+
+def test_the_planner_cuts_and_places_lanes_as_the_run_does():
+    from megatron_dilocox.outer import lane_plan
+    assert lanes.split_lanes is lane_plan.split_lanes and lanes.owners is lane_plan.owners

@@ -21,7 +21,7 @@ def load_validate():
 
 def test_validate_cpu_form_runs_its_configurations_and_agrees(kjv, tmp_path):
     """The configurations the first lent GPU will run (scripts/gpu/validate.py: dense, three sites by the tagged
-    reduce-scatter, two layouts in the canonical layout with per-site rounds; MoE too, whose CPU form CI leaves to
+    reduce-scatter, two layouts in the canonical layout in two lanes with per-site rounds; MoE too, whose CPU form CI leaves to
     the composition matrix's MoE rows and tests/test_moe.py: 15 s less), in the CPU form: exit codes 0, the same
     global model on every cluster every round, the bytes of every round the closed form, loss falling."""
     proc = subprocess.run(["bash", "scripts/gpu/validate.sh", "--cpu", "--data", str(kjv), "--out", str(tmp_path),

@@ -362,10 +362,9 @@ class CanonicalSite:
         self._after_change()  # the checkpoint's clock on every rank: their decisions agree from the first step
 
     def layout_summary(self, rank: int) -> dict:
-        mine = sum(s.codec.round_bytes(s.codec.rank, self.cfg.num_clusters) for s in self.lanes.values())
-        t = torch.tensor([float(mine)], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t)
+        """(Logged by every rank) its lanes, their sizes and outer state, and its lanes' closed-form bytes per round
+        (the site's are the sum over its ranks, as in the local layout)."""
         return {"rank": rank, "exchange_layout": "canonical", "units": len(self.layout.units),
                 "numel": self.layout.numel, "owned": self.layout.runs.numel(), "lanes": self.owned,
                 "lane_numel": [self.mover.numel(k) for k in self.owned], "outer_state_bytes": self.outer_state_bytes(),
-                "round_bytes": int(t.item())}
+                "round_bytes": sum(s.codec.round_bytes(s.codec.rank, self.cfg.num_clusters) for s in self.lanes.values())}

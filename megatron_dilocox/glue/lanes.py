@@ -22,57 +22,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
 
-CHUNK = 1 << 24  # values per point-to-point message inside a site (64 MiB of fp32)
+from megatron_dilocox.outer.lane_plan import owners, split_lanes  # noqa: F401  (the plan the planner prices too)
 
-
-def split_lanes(sizes: list[int], lanes: int) -> list[tuple[int, int]]:
-    """[first, end) unit ranges of ``lanes`` contiguous lanes over units of ``sizes`` values: the cut whose largest
-    lane is smallest (a lane cannot be smaller than its largest tensor), every lane at least one unit."""
-    if lanes > len(sizes):
-        raise ValueError(f"--dilocox-lanes {lanes} is more than the model's {len(sizes)} global tensors: use at "
-                         f"most {len(sizes)}")
-
-    def pack(cap: int) -> list[tuple[int, int]]:
-        out, first, acc = [], 0, 0
-        for u, n in enumerate(sizes):
-            if acc + n > cap and u > first:
-                out.append((first, u))
-                first, acc = u, 0
-            acc += n
-        return out + [(first, len(sizes))]
-    lo, hi = max(sizes), sum(sizes)
-    while lo < hi:  # the smallest cap that packs into at most ``lanes`` lanes
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if len(pack(mid)) <= lanes else (mid + 1, hi)
-    out = pack(lo)
-    while len(out) < lanes:  # fewer lanes than asked: halve the largest lane of two units or more (under the cap)
-        i = max((j for j in range(len(out)) if out[j][1] - out[j][0] > 1), key=lambda j: sum(sizes[slice(*out[j])]))
-        a, b = out[i]
-        half, acc, cut = sum(sizes[a:b]) / 2, 0, a + 1
-        for u in range(a, b - 1):
-            acc += sizes[u]
-            cut = u + 1
-            if acc >= half:
-                break
-        out[i:i + 1] = [(a, cut), (cut, b)]
-    return out
-
-
-def owners(lane_sizes: list[int], world: int) -> list[int]:
-    """The rank of a ``world``-rank site that owns each lane: lane 0 on rank 0 (it leads the site's rounds), the
-    others largest first to the rank holding the fewest values (the lowest such rank): the same on every rank."""
-    load, out = [0] * world, [0] * len(lane_sizes)
-    load[0] = lane_sizes[0]
-    for k in sorted(range(1, len(lane_sizes)), key=lambda j: (-lane_sizes[j], j)):
-        r = min(range(world), key=lambda i: (load[i], i))
-        out[k] = r
-        load[r] += lane_sizes[k]
-    return out
+# values per point-to-point message inside a site (64 MiB of fp32); $DILOCOX_LANE_CHUNK sets another (the tests cut
+# runs across chunks with a small one)
+CHUNK = int(os.environ.get("DILOCOX_LANE_CHUNK", 1 << 24))
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -173,6 +133,13 @@ class LaneMover:
         for k in range(self.lanes):
             if self.owner[k] == rank:
                 self._check_cover(k)
+        # one device buffer and one host buffer (pinned with CUDA) of at most CHUNK values, allocated once: the
+        # largest piece this rank sends or receives (fresh ones per chunk would page in at every boundary)
+        sizes = [int(r[:, 3].sum()) for m in self.mine for r in m.values()] + \
+                [int(r[:, 1].sum()) for r in self.theirs.values()]
+        n = max(1, min(CHUNK, max(sizes, default=1)))
+        self._buf = torch.empty(n, dtype=torch.float32, device=device)
+        self._host = torch.empty(n, dtype=torch.float32, pin_memory=torch.device(device).type == "cuda")
 
     def _p2p(self, k: int, src: int):
         """Whether this rank takes part in the (lane k, rank src) transfer, and its partner."""
@@ -228,14 +195,18 @@ class LaneMover:
         for k in range(self.lanes):
             for src in range(self.world):
                 if self.rank == src:
-                    packed = self._pack(self.mine[k][True], self.views)
-                    if self.rank == self.owner[k]:
-                        self._place(lanes[k], self.theirs[(k, src, True)], packed.cpu())
-                    else:
-                        self._send(packed, self.owner[k])
+                    rows, owner = self.mine[k][True].tolist(), self.owner[k]
+                    for piece in chunks([r[3] for r in rows]):
+                        values = self._take([(rows[i][0], rows[i][1] + a, n) for i, a, n in piece])
+                        if owner == self.rank:
+                            self._put_lane(lanes[k], self.theirs[(k, src, True)].tolist(), piece,
+                                           self._to_host(values))
+                        else:
+                            torch.distributed.send(values, owner)
                 elif self.rank == self.owner[k]:
-                    rows = self.theirs[(k, src, True)]
-                    self._place(lanes[k], rows, self._recv(int(rows[:, 1].sum()) if rows.numel() else 0, src))
+                    rows = self.theirs[(k, src, True)].tolist()
+                    for piece in chunks([r[1] for r in rows]):
+                        self._put_lane(lanes[k], rows, piece, self._to_host(self._recv(piece, src)))
 
     @torch.no_grad()
     def scatter(self, lanes: dict, into: Optional[list] = None):
@@ -244,51 +215,84 @@ class LaneMover:
         for k in range(self.lanes):
             for dst in range(self.world):
                 if self.rank == self.owner[k]:
-                    packed = self._pack_lane(lanes[k], self.theirs[(k, dst, False)])
-                    if dst == self.rank:
-                        self._unpack(self.mine[k][False], targets, packed.to(self.device))
-                    else:
-                        self._send(packed.to(self.device), dst)
+                    rows, mine = self.theirs[(k, dst, False)].tolist(), self.mine[k][False].tolist()
+                    for piece in chunks([r[1] for r in rows]):
+                        values = self._buffer(piece)
+                        staged = values if values.device.type == "cpu" else self._host[:values.numel()]
+                        at = 0
+                        for i, a, n in piece:  # (host lane -> a host buffer, run by run; then one copy to the device)
+                            off = rows[i][0] + a
+                            staged[at:at + n].copy_(lanes[k][off:off + n])
+                            at += n
+                        if staged is not values:
+                            values.copy_(staged)
+                        if dst == self.rank:
+                            self._put_views(targets, mine, piece, values)
+                        else:
+                            torch.distributed.send(values, dst)
                 elif self.rank == dst:
-                    rows = self.mine[k][False]
-                    self._unpack(rows, targets, self._recv(int(rows[:, 3].sum()) if rows.numel() else 0,
-                                                           self.owner[k]))
+                    rows = self.mine[k][False].tolist()
+                    for piece in chunks([r[3] for r in rows]):
+                        self._put_views(targets, rows, piece, self._recv(piece, self.owner[k]))
 
-    def _send(self, packed: torch.Tensor, peer: int):
-        for at in range(0, packed.numel(), CHUNK):
-            torch.distributed.send(packed[at:at + CHUNK].contiguous(), peer)
+    def _buffer(self, piece) -> torch.Tensor:
+        return self._buf[:sum(m for _, _, m in piece)]
 
-    def _recv(self, n: int, peer: int) -> torch.Tensor:
-        out = torch.empty(n, dtype=torch.float32)
-        for at in range(0, n, CHUNK):
-            chunk = torch.empty(min(CHUNK, n - at), dtype=torch.float32, device=self.device)
-            torch.distributed.recv(chunk, peer)
-            out[at:at + chunk.numel()] = chunk.cpu()
+    def _to_host(self, values: torch.Tensor) -> torch.Tensor:
+        """A chunk on the host: itself on CPU, else one copy into the reused host buffer."""
+        if values.device.type == "cpu":
+            return values
+        out = self._host[:values.numel()]
+        out.copy_(values)
+        return out
+
+    def _take(self, parts) -> torch.Tensor:
+        out = self._buffer([(0, 0, int(n)) for _, _, n in parts])
+        at = 0
+        for v, a, n in parts:
+            out[at:at + n].copy_(self.views[v].view(-1)[a:a + n])
+            at += n
+        return out
+
+    def _recv(self, piece, peer: int) -> torch.Tensor:
+        out = self._buffer(piece)
+        if out.numel():
+            torch.distributed.recv(out, peer)
         return out
 
     @staticmethod
-    def _pack(rows: torch.Tensor, views: list) -> torch.Tensor:
-        parts = [views[v].view(-1)[at:at + n].float() for v, at, _, n in rows.tolist()]
-        return torch.cat(parts) if parts else torch.zeros(0)
-
-    @staticmethod
-    def _place(lane: torch.Tensor, rows: torch.Tensor, values: torch.Tensor):
+    def _put_lane(lane: torch.Tensor, rows: list, piece, values: torch.Tensor):
         at = 0
-        for off, n in rows.tolist():
+        for i, a, n in piece:
+            off = rows[i][0] + a
             lane[off:off + n] = values[at:at + n]
             at += n
 
     @staticmethod
-    def _pack_lane(lane: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        parts = [lane[off:off + n] for off, n in rows.tolist()]
-        return torch.cat(parts) if parts else torch.zeros(0)
-
-    @staticmethod
-    def _unpack(rows: torch.Tensor, targets: list, values: torch.Tensor):
+    def _put_views(targets: list, rows: list, piece, values: torch.Tensor):
         at = 0
-        for v, off, _, n in rows.tolist():
+        for i, a, n in piece:
+            v, off = rows[i][0], rows[i][1] + a
             targets[v].view(-1)[off:off + n].copy_(values[at:at + n])
             at += n
+
+
+def chunks(lengths: list[int], size: int = None):
+    """The runs of ``lengths`` in pieces of at most ``size`` values (default CHUNK): each piece a list of (run,
+    offset in the run, count). Both ends of a transfer cut the same runs alike."""
+    size = size or CHUNK
+    piece, room = [], size
+    for i, n in enumerate(lengths):
+        at = 0
+        while at < n:
+            m = min(n - at, room)
+            piece.append((i, at, m))
+            at, room = at + m, room - m
+            if room == 0:
+                yield piece
+                piece, room = [], size
+    if piece:
+        yield piece
 
 
 # ------------------------------------------------------------------------------------------------ lanes agree

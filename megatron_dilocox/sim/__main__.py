@@ -4,6 +4,8 @@ Every field of ``cost_model.Setup`` is a flag (``--hidden``, ``--tp``, ``--link-
 Text output ends with the line ``speedup_vs_allreduce: <number>``; ``--json`` prints one JSON object.
 ``--sites 64:3200,128:1500`` (GPUs:tokens/s per GPU[:tokens per step] per site) prints instead each site's H and
 weight and the run's tokens/s against lockstep rounds (``sites.py``), ending with ``vs_lockstep: <number>``.
+``--exchange-layout canonical [--lanes L] [--site-layouts 8x4x4,8x8x2]`` adds each site's canonical figures beside
+the local layout's (``canonical.py``); a plan whose host memory does not fit is refused: exit 1, the reason on stderr.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 
 from dataclasses import replace
 
+from megatron_dilocox.sim import canonical
 from megatron_dilocox.sim import sites as site_plan
 from megatron_dilocox.sim.cost_model import Setup, expert_tensors, layer_tensors, model_params, numel, plan, predict
 
@@ -45,6 +48,10 @@ HELP = {
     "sha256_gb_s": "one core's sha256 rate, GB/s (the per-round hashes of the outer state)",
     "node_memory_gb_s": "a node's host memory bandwidth, GB/s read + written (typical, not measured)",
     "pcie_gb_s": "GPU-host DMA rate per GPU, GB/s (typical H100 PCIe Gen5 x16, not measured)",
+    "exchange_layout": "local (every site the same layout) or canonical (any layouts; the model in lanes)",
+    "lanes": "canonical layout: lanes of whole tensors, each kept by one rank of a site (--dilocox-lanes)",
+    "intra_site_gb_s": "canonical layout: GB/s of one pair of ranks inside a site (one 200 Gb/s NIC each)",
+    "host_memory_gb": "canonical layout: host memory per rank, GB (a plan that needs more is refused)",
 }
 
 # The paper's setup (Qi et al. 2025, arXiv 2506.21263) as far as we could confirm it, the rest assumed.
@@ -88,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sites", help="sites that differ: GPUS:TOKENS_PER_GPU_S[:TOKENS_PER_STEP] per site, comma-"
                                     "separated (tokens per step default: --global-batch-tokens); prints each site's "
                                     "H (--h for the slowest) and weight, and tokens/s against lockstep rounds")
+    ap.add_argument("--site-layouts", help="canonical layout: each site's TPxPPxDP, comma-separated (sets --clusters; "
+                                           "--tp/--pp/--dp become the first site's), e.g. 8x4x4,8x8x2")
     for f in dataclasses.fields(Setup):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
@@ -99,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif f.name == "scheme":
             ap.add_argument(flag, choices=["auto", "all-gather", "reduce-scatter"], default=f.default,
                             help=HELP[f.name])
+        elif f.name == "exchange_layout":
+            ap.add_argument(flag, choices=["local", "canonical"], default=f.default, help=HELP[f.name])
         elif f.name == "outer_state_device":
             ap.add_argument(flag, choices=["cpu", "param"], default=f.default, help=HELP[f.name])
         else:
@@ -115,6 +126,16 @@ def parse(argv) -> argparse.Namespace:
         ap.error("--ep: expert parallelism needs --experts")
     if args.experts and (args.experts % args.ep or args.dp % args.ep):
         ap.error(f"--ep: must divide --experts ({args.experts}) and --dp ({args.dp}), got {args.ep}")
+    if args.site_layouts:
+        try:
+            args.layouts = canonical.parse_layouts(args.site_layouts)
+        except ValueError as exc:
+            ap.error(str(exc))
+        if args.exchange_layout == "local" and len(set(args.layouts)) > 1:
+            ap.error("--site-layouts: sites of different layouts need --exchange-layout canonical")
+        args.clusters, (args.tp, args.pp, args.dp) = len(args.layouts), args.layouts[0]
+    else:
+        args.layouts = None
     if args.params:  # layers from the size: embeddings + L layers ~= params
         s = _setup(args)
         per_layer = sum(numel(t) for t in layer_tensors(s, 1)) + s.ep * sum(numel(t) for t in expert_tensors(s, 1))
@@ -169,6 +190,8 @@ def report(args, out: dict) -> str:
                  f" round start {_gb(mem['round_start'])}; on GPU: error feedback {_gb(mem['error_feedback'])},"
                  f" Q {_gb(mem['q'])} (+{_gb(mem['transient_gpu_bytes'])} transient per round);"
                  f" totals GPU {_gb(mem['gpu_bytes'])}, CPU {_gb(mem['cpu_bytes'])}")
+    if "canonical" in out:
+        lines += canonical_report(out["canonical"])
     if "plan" in out:
         p = out["plan"]
         if p["feasible"]:
@@ -194,6 +217,31 @@ def report(args, out: dict) -> str:
     return "\n".join(lines)
 
 
+def canonical_report(c: dict) -> list[str]:
+    """Each site's canonical figures (the busiest rank) beside the local layout's, then the verdict."""
+    gb = canonical.gb
+    lines = [f"canonical exchange layout, {c['lanes']} lane(s) of {c['units']} global tensors ({c['numel'] / 1e9:.2f}B "
+             f"values); a pair of ranks at {c['intra_site_gb_s']:g} GB/s; host memory {c['host_memory_gb']:g} GB per rank"
+             + ("" if c["equal_layouts"] else " (layouts differ: the local layout is shown as if every site had "
+                "that site's layout)")]
+    for i, f in enumerate(c["sites"]):
+        tp, pp, dp, m, loc = *f["layout"], f["moves"], f["local"]
+        lines.append(f"  site {i} TP{tp} PP{pp} DP{dp} ({f['ranks']} ranks), busiest rank {f['busiest_rank']}: "
+                     f"{f['rank_values'] / 1e9:.3f}B values in {f['lanes_per_rank']} lane(s); host {gb(f['host_bytes'])}"
+                     f" ({f['host_bytes_per_value']:.1f} B/value), peak {gb(f['host_peak_bytes'])}; device "
+                     f"+{gb(f['device_bytes'])} (one reused buffer of at most 2^24 values)")
+        lines.append(f"         gather+scatter {m['seconds']:.1f} s x {f['moves_per_round']}/round (fabric "
+                     f"{gb(m['fabric_bytes'])} in {m['fabric_seconds']:.1f} s; GPU-host {gb(m['pcie_bytes'])} and host "
+                     f"copies {m['host_seconds']:.1f} s) + round logic {f['round_logic_seconds']:.1f} s; "
+                     f"{gb(f['bytes_per_round'])}/round between sites")
+        lines.append(f"         local layout: {loc['rank_values'] / 1e9:.3f}B values per rank, host {gb(loc['host_bytes'])}"
+                     f", GPU {gb(loc['device_bytes'])}; boundary {loc['boundary_seconds']:.1f} s/round; "
+                     f"{gb(loc['bytes_per_round'])}/round between sites")
+    lines.append(f"canonical plan refused: {c['refusal']}" if c["refusal"] else
+                 f"canonical plan fits: at most {gb(max(f['host_peak_bytes'] for f in c['sites']))} of host memory per rank")
+    return lines
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
@@ -211,12 +259,20 @@ def main(argv=None) -> int:
         return 0
     if args.plan or args.paper:
         out["plan"] = plan(s, h_min=args.h_min or s.h, h_max=args.h_max, margin=args.margin)
+    if s.exchange_layout == "canonical":
+        try:
+            out["canonical"] = canonical.price(s, args.layouts)
+        except ValueError as exc:
+            build_parser().error(str(exc))
     if args.json:
         if args.paper:
             out["paper_notes"] = [{"source": t, "text": x} for t, x in PAPER_NOTES]
         print(json.dumps(out, indent=1))
     else:
         print(report(args, out))
+    if out.get("canonical", {}).get("refusal"):
+        print(f"error: canonical plan refused: {out['canonical']['refusal']}", file=sys.stderr)
+        return 1
     return 0
 
 

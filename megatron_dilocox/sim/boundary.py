@@ -56,6 +56,13 @@ SHA256_GB_S = 1.76  # hashlib.sha256 over a tensor's bytes, SHA-NI (1.78, 1.76, 
 # Not measured here (no GPU, one small VM): typical figures.
 NODE_MEMORY_GB_S = 400.0  # a two-socket DDR5 server node (16 channels, 614 GB/s peak; STREAM ~2/3 of it)
 PCIE_GB_S = 50.0  # H100 on PCIe Gen5 x16: 64 GB/s per direction raw, ~50 GB/s effective DMA (pinned)
+# The canonical layout (sim/canonical.py), typical figures too. Its moves inside a site go one pair of ranks at a
+# time, and in a site of several nodes most pairs meet across nodes: one NIC each, a 200 Gb/s HDR InfiniBand rail
+# per GPU (A100/A800 clusters'; NDR's 400 Gb/s would double it).
+INTRA_SITE_GB_S = 25.0
+# A rank's host memory: 1 TB per 8-GPU node (DGX A100's), 3/4 of a rank's share, the rest left to the OS, Megatron's
+# own host use (data loader workers, checkpoint staging) and pinned buffers.
+HOST_MEMORY_GB = 96.0
 
 # Work per value the rank owns: passes (4 bytes each) of elementwise ops and of copies, values of fresh host
 # memory, values hashed, values moved host-to-device and device-to-host.

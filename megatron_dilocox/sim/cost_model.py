@@ -27,8 +27,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-from megatron_dilocox.sim.boundary import (HOST_COPY_GB_S, HOST_ELEMENTWISE_GB_S, HOST_FIRST_TOUCH_GB_S, NODE_MEMORY_GB_S,
-                                           PCIE_GB_S, SHA256_GB_S, exchange_and_boundary)
+from megatron_dilocox.sim.boundary import (HOST_COPY_GB_S, HOST_ELEMENTWISE_GB_S, HOST_FIRST_TOUCH_GB_S, HOST_MEMORY_GB,
+                                           INTRA_SITE_GB_S, NODE_MEMORY_GB_S, PCIE_GB_S, SHA256_GB_S, exchange_and_boundary)
 
 HEADER_BYTES = 104  # codec.HEADER_BYTES: 13 float64 values
 SCALE_BYTES = 4  # one fp32 scale per quantization block
@@ -135,6 +135,10 @@ class Setup:
     sha256_gb_s: float = SHA256_GB_S
     node_memory_gb_s: float = NODE_MEMORY_GB_S
     pcie_gb_s: float = PCIE_GB_S
+    exchange_layout: str = "local"  # or "canonical" (sim/canonical.py: its lanes, the site's fabric, host memory)
+    lanes: int = 1
+    intra_site_gb_s: float = INTRA_SITE_GB_S
+    host_memory_gb: float = HOST_MEMORY_GB
 
     @property
     def gpus_per_cluster(self) -> int:

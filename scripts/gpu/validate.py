@@ -7,7 +7,8 @@ Configurations (``--configs``, default all), every one with payload authenticati
     three-sites  3 clusters x 1 process, dense: the pairwise reduce-scatter (gloo send/recv between sites) with a
                  tag on every message, each site's device tensors staged through host memory
     canonical    2 clusters of different layouts (1 process; PP2 in 2 processes), ``--dilocox-exchange-layout
-                 canonical``, per-site rounds (the default): the layout gather/scatter on the device's own groups
+                 canonical`` in two lanes (one per rank of the PP2 site, both in the other site's process),
+                 per-site rounds (the default): the lanes' point-to-point moves on the device's own groups
 
 GPU form (default): every process on GPU 0, Transformer Engine, bf16; about 10 minutes on one GPU. ``--cpu``: the
 same runs on CPU with the local implementation, a smaller model and fewer iterations (CI runs all but moe:
@@ -47,7 +48,7 @@ CONFIGS = {  # model, clusters, processes per cluster where not 1, flags per clu
     "three-sites": dict(model="dense", clusters=3,  # (the corpus has two sites' shards: the third trains on both)
                         per_cluster={2: ["--train-data-path", "{data}/train_all_text_document"]}),
     "canonical": dict(model="dense", clusters=2, nproc={1: 2}, per_cluster={1: ["--pipeline-model-parallel-size", "2"]},
-                      dilocox=["--dilocox-exchange-layout", "canonical"], per_site=True),
+                      dilocox=["--dilocox-exchange-layout", "canonical", "--dilocox-lanes", "2"], per_site=True),
 }
 MEMORY_RE = re.compile(r"memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)")
 THEORY_RE = re.compile(r"Theoretical memory footprints: weight and optimizer=([\d.]+) MB")
