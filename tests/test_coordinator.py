@@ -16,7 +16,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.harness.spawn import free_port, run_clusters
-from megatron_dilocox.net.membership import Membership, open_verdict, signed_vote
+from megatron_dilocox.net.membership import ForgedVerdict, Membership, open_verdict, signed_vote
 from megatron_dilocox.net.rendezvous import PREFIX, RendezvousError, authenticate
 from megatron_dilocox.net.topology import InterClusterGroup, connect_store
 from tests.coord_util import CoordinatorProcess
@@ -236,20 +236,88 @@ def test_a_restarted_coordinator_republishes_the_verdict_one_cluster_missed(tmp_
         views = {0: {"epoch": 0, "seq": 4, "members": [0, 1], "last": ["e0/x3", commit], "pending": None},
                  1: {"epoch": 0, "seq": 4, "members": [0, 1], "last": ["e0/x2", commit], "pending": ["e0/x3", "ok"]}}
         store = connect_store(cfg(address), host_store=False)
+        sessions = set()
         for c in (1, 0):
-            assert authenticate(store, address, cfg(address, cluster=c), 0, 1, views[c])[1] is False
+            session, joining = authenticate(store, address, cfg(address, cluster=c), 0, 1, views[c])
+            assert joining is False
+            sessions.add(session)
+        (session,) = sessions  # one session for every rank: the coordinator's challenge
         meta = PrefixStore("dilocox/m", store)
         meta.wait(["e0/x3/verdict"], timedelta(seconds=30))
-        assert open_verdict(SECRET, meta.get("e0/x3/verdict"), "e0/x3") == commit
+        assert open_verdict(SECRET, session, meta.get("e0/x3/verdict"), "e0/x3") == commit
         for c in (0, 1):  # the next attempt is decided normally, at e0/x4
-            meta.set(f"e0/x4/vote/{c}/0", signed_vote(SECRET, "e0/x4", c, 0, "ok"))
+            meta.set(f"e0/x4/vote/{c}/0", signed_vote(SECRET, session, "e0/x4", c, 0, "ok"))
             meta.add(f"e0/x4/votes/{c}", 1)
         meta.wait(["e0/x4/verdict"], timedelta(seconds=30))
-        assert open_verdict(SECRET, meta.get("e0/x4/verdict"), "e0/x4")["action"] == "commit"
+        assert open_verdict(SECRET, session, meta.get("e0/x4/verdict"), "e0/x4")["action"] == "commit"
         assert not meta.check(["e0/x5/verdict"])
         assert "verdict e0/x3 (commit) published again; next: epoch 0, attempt 4" in coord.text()
     finally:
         coord.stop()
+
+
+def test_votes_and_verdicts_under_the_coordinator_before_a_restart_do_not_verify_after_it(tmp_path):
+    """Tags bind the coordinator's session. A real coordinator decides e0/x0 (commit) and takes cluster 1's vote on
+    e0/x1; it is killed and restarted (same secret, same address): the new one posts a new session, which every
+    rank takes with its new proof. The old coordinator's verdict and cluster 1's recorded vote, copied into the new
+    one's store at the same keys, do not verify there: the verdict is refused (ForgedVerdict), the vote counts as
+    cluster 1's loss. What the new one publishes again, and decides from votes under its own session, verifies."""
+    address = f"127.0.0.1:{free_port()}"
+    coords = [CoordinatorProcess(address, SECRET, str(tmp_path / "a.log"), "--keep-running")]
+    try:
+        c = [cfg(address, cluster=k) for k in (0, 1)]
+        stores = [connect_store(c[k], host_store=False) for k in (0, 1)]  # a client per thread
+        asked = {}
+        ranks = [threading.Thread(target=lambda k=k: asked.update({k: authenticate(stores[k], address, c[k], 0, 1,
+                                                                                     None)})) for k in (0, 1)]
+        for t in ranks:
+            t.start()
+        for t in ranks:
+            t.join(60)
+        assert sorted(asked) == [0, 1] and asked[0] == asked[1] and asked[0][1] is False  # a fresh run, one session
+        session_a = asked[0][0]
+        meta = PrefixStore("dilocox/m", stores[0])
+
+        def vote(key, cluster, session):
+            for k in (0, 1):  # (both alive: their heartbeats moved)
+                meta.add(f"hb/{k}", 1)
+            meta.set(f"{key}/vote/{cluster}/0", signed_vote(SECRET, session, key, cluster, 0, "ok"))
+            meta.add(f"{key}/votes/{cluster}", 1)
+        for k in (0, 1):
+            vote("e0/x0", k, session_a)
+        meta.wait(["e0/x0/verdict"], timedelta(seconds=30))
+        verdict_a = meta.get("e0/x0/verdict")
+        commit = open_verdict(SECRET, session_a, verdict_a, "e0/x0")
+        assert commit == {"action": "commit", "members": [0, 1], "epoch": 0, "lost": [], "admitted": [], "reason": ""}
+        vote("e0/x1", 1, session_a)
+        vote_a = meta.get("e0/x1/vote/1/0")  # (recorded by whoever reads the store)
+        coords[0].kill()  # before cluster 0 votes on e0/x1
+        time.sleep(1.0)
+        coords.append(CoordinatorProcess(address, SECRET, str(tmp_path / "b.log"), "--keep-running"))
+        store = connect_store(c[0], host_store=False)
+        views = {0: {"epoch": 0, "seq": 1, "members": [0, 1], "last": ["e0/x0", commit], "pending": None},
+                 1: {"epoch": 0, "seq": 2, "members": [0, 1], "last": ["e0/x0", commit], "pending": ["e0/x1", "ok"]}}
+        sessions = {authenticate(store, address, c[k], 0, 1, views[k])[0] for k in (1, 0)}
+        assert len(sessions) == 1 and session_a not in sessions  # one new session, for every rank
+        (session_b,) = sessions
+        meta = PrefixStore("dilocox/m", store)
+        meta.wait(["e0/x0/verdict"], timedelta(seconds=30))
+        again = meta.get("e0/x0/verdict")
+        assert open_verdict(SECRET, session_b, again, "e0/x0") == commit  # published again, under the new session
+        for raw, session in ((verdict_a, session_b), (again, session_a)):  # neither verifies in the other session
+            with pytest.raises(ForgedVerdict, match="on attempt e0/x0 does not carry the run's tag"):
+                open_verdict(SECRET, session, raw, "e0/x0")
+        # e0/x1: cluster 0 votes under the new session; cluster 1's place holds its vote from the old one
+        vote("e0/x1", 0, session_b)
+        meta.set("e0/x1/vote/1/0", vote_a)
+        meta.add("e0/x1/votes/1", 1)
+        meta.wait(["e0/x1/verdict"], timedelta(seconds=30))
+        verdict = open_verdict(SECRET, session_b, meta.get("e0/x1/verdict"), "e0/x1")
+        assert verdict["action"] == "stop" and verdict["lost"] == [1], verdict
+        assert "the votes of cluster(s) 1 in the rendezvous store do not carry the run's tag" in verdict["reason"]
+    finally:
+        for coord in coords:
+            coord.stop()
 
 
 def _stamp(line: str) -> float:
@@ -318,13 +386,15 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
             except RendezvousError:
                 if time.monotonic() > deadline:
                     raise
-        assert authenticate(store, address, c1, 0, 1, joiner.report())[1] is True
+        joiner.session, joining = authenticate(store, address, c1, 0, 1, joiner.report())  # (as _failover does)
+        assert joining is True
         return store
     try:
         authenticate(connect_store(c0, host_store=False), address, c0, 0, 1, view0)  # the run is in progress
         store1 = connect_store(c1, host_store=False)
-        assert authenticate(store1, address, c1, 0, 1, None)[1] is True
-        joiner = Membership(store1, 1, 0, 1, 2, TIMEOUT, "continue", lambda *_: None, SECRET)
+        session, joining = authenticate(store1, address, c1, 0, 1, None)
+        assert joining is True
+        joiner = Membership(store1, 1, 0, 1, 2, TIMEOUT, "continue", lambda *_: None, SECRET, session)
         joiner.embedded, joiner.reconnect = False, reconnect
         got = {}
         waiter = threading.Thread(target=lambda: got.update(verdict=joiner.wait_for_admission()), daemon=True)
@@ -341,21 +411,23 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
         if first == "joiner":  # the joiner's request is in before cluster 0's (and waits for its view)
             wait_for_requests(store0, 1)
             assert not store0.check([f"{PREFIX}/ans/1"])
-        authenticate(store0, address, c0, 0, 1, view0)  # cluster 0's view: the new one rebuilds e1/x0 from it
+        session0 = authenticate(store0, address, c0, 0, 1, view0)[0]  # cluster 0's view: the new one rebuilds
+        assert session0 != session                                     # e1/x0 from it, under its own session
         member_back.set()
         meta = PrefixStore("dilocox/m", store0)
         deadline = time.monotonic() + 30
         while meta.add("join/1", 0) < 1 and time.monotonic() < deadline:  # the joiner asked the new one
             time.sleep(0.02)
         assert meta.add("join/1", 0) == 1
-        meta.set("e1/x0/vote/0/0", signed_vote(SECRET, "e1/x0", 0, 0, "ok"))
+        meta.set("e1/x0/vote/0/0", signed_vote(SECRET, session0, "e1/x0", 0, 0, "ok"))
         meta.add("e1/x0/votes/0", 1)
         meta.wait(["e1/x0/verdict"], timedelta(seconds=30))
-        admission = open_verdict(SECRET, meta.get("e1/x0/verdict"), "e1/x0")
+        admission = open_verdict(SECRET, session0, meta.get("e1/x0/verdict"), "e1/x0")
         assert admission == {"action": "commit", "members": [0, 1], "epoch": 2, "lost": [], "admitted": [1],
                              "reason": ""}
         waiter.join(30)
         assert got["verdict"] == admission and joiner.members == [0, 1] and joiner.epoch == 2
+        assert joiner.session == session0  # the joiner read its admission under the new coordinator's session
         assert not joiner.joining and joiner.report()["members"] == [0, 1]
         assert "cluster 1 local rank 0 proved the secret (rejoining)" in coords[1].text()
         # the coordinator dies again after that admission: a joiner that missed it finds it under admit/1/1
@@ -363,11 +435,11 @@ def test_a_cluster_waiting_for_admission_when_the_coordinator_dies_is_admitted_b
         time.sleep(1.0)
         coords.append(CoordinatorProcess(address, SECRET, str(tmp_path / "c.log"), "--keep-running"))
         store0 = connect_store(c0, host_store=False)
-        authenticate(store0, address, c0, 0, 1, {"epoch": 2, "seq": 0, "members": [0, 1],
-                                                  "last": ["e1/x0", admission], "pending": None})
+        session2 = authenticate(store0, address, c0, 0, 1, {"epoch": 2, "seq": 0, "members": [0, 1],
+                                                             "last": ["e1/x0", admission], "pending": None})[0]
         meta = PrefixStore("dilocox/m", store0)
         meta.wait(["admit/1/1"], timedelta(seconds=30))
-        assert open_verdict(SECRET, meta.get("admit/1/1"), "admit/1/1") == admission
+        assert open_verdict(SECRET, session2, meta.get("admit/1/1"), "admit/1/1") == admission
     finally:
         for c in coords:
             c.stop()

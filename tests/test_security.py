@@ -306,13 +306,20 @@ def test_store_reachable_attacker_without_the_secret_cannot_enter_the_group():
 # ------------------------------------------------------------------------------------------------------
 # Votes and verdicts: a store writer without the secret cannot make a member apply a round (net/membership.py)
 
-def _members(policy="stop"):
-    """A real store; the coordinator's Membership (cluster 0) and cluster 1's, both with the run's secret."""
+SESSION = "a1" * 16  # the run's rendezvous session (the coordinator's challenge: topology.py, rendezvous.py)
+
+
+def _members(policy="stop", session=SESSION):
+    """A real store; the coordinator's Membership (cluster 0, the store's host) and cluster 1's (its own
+    connection), both with the run's secret and session."""
     from torch.distributed import TCPStore
 
     from megatron_dilocox.net.membership import Membership
-    store = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    return store, [Membership(store, c, 0, 1, 2, 5.0, policy, lambda *_: None, "run-secret") for c in (0, 1)]
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    stores = [store, TCPStore("127.0.0.1", port, is_master=False)]
+    return store, [Membership(stores[c], c, 0, 1, 2, 5.0, policy, lambda *_: None, "run-secret", session)
+                   for c in (0, 1)]
 
 
 @pytest.mark.unit
@@ -323,18 +330,19 @@ def test_a_vote_without_the_runs_tag_counts_as_that_members_loss():
     for policy, action in (("stop", "stop"), ("continue", "retry")):
         _, (coord, _) = _members(policy)
         key = "e0/x0"
-        coord.meta.set(f"{key}/vote/0/0", signed_vote("run-secret", key, 0, 0, "ok"))
+        coord.meta.set(f"{key}/vote/0/0", signed_vote("run-secret", SESSION, key, 0, 0, "ok"))
         coord.meta.set(f"{key}/vote/1/0", "ok")  # the writer's
         verdict = coord.verdict(key, [])
         assert verdict["action"] == action and verdict["lost"] == [1], verdict
         assert "the votes of cluster(s) 1 in the rendezvous store do not carry the run's tag" in verdict["reason"]
-        # a tagged vote for another attempt, cluster or rank does not verify either, nor garbage
-        for forged in (signed_vote("run-secret", "e0/x1", 1, 0, "ok"),
-                       signed_vote("run-secret", key, 0, 0, "ok"),
-                       signed_vote("other-secret", key, 1, 0, "ok"), b"\xff\xfe\n\xff", "ok\né"):
+        # a tagged vote for another attempt, cluster, rank or session does not verify either, nor garbage
+        for forged in (signed_vote("run-secret", SESSION, "e0/x1", 1, 0, "ok"),
+                       signed_vote("run-secret", SESSION, key, 0, 0, "ok"),
+                       signed_vote("run-secret", "b2" * 16, key, 1, 0, "ok"),
+                       signed_vote("other-secret", SESSION, key, 1, 0, "ok"), b"\xff\xfe\n\xff", "ok\né"):
             coord.meta.set(f"{key}/vote/1/0", forged)
             assert coord.verdict(key, [])["lost"] == [1]
-        coord.meta.set(f"{key}/vote/1/0", signed_vote("run-secret", key, 1, 0, "ok"))
+        coord.meta.set(f"{key}/vote/1/0", signed_vote("run-secret", SESSION, key, 1, 0, "ok"))
         assert coord.verdict(key, [])["action"] == "commit"
 
 
@@ -347,23 +355,125 @@ def test_a_verdict_without_the_runs_tag_stops_the_member_and_a_commit_it_did_not
 
     from megatron_dilocox.net.membership import ForgedVerdict, PeerLostError, open_verdict, seal_verdict
     commit = {"action": "commit", "members": [0, 1], "epoch": 0, "lost": [], "admitted": [], "reason": ""}
-    sealed = seal_verdict("run-secret", "e0/x3", commit)
-    assert open_verdict("run-secret", sealed.encode(), "e0/x3") == commit
-    for text, key in ((json.dumps(commit), "e0/x3"), (seal_verdict("other-secret", "e0/x3", commit), "e0/x3"),
-                      (seal_verdict("run-secret", "e0/x2", commit), "e0/x3"),
-                      (seal_verdict("run-secret", "admit/1/1", commit), "admit/1/2"), ("garbage", None),
+    sealed = seal_verdict("run-secret", SESSION, "e0/x3", commit)
+    assert open_verdict("run-secret", SESSION, sealed.encode(), "e0/x3") == commit
+    for text, key in ((json.dumps(commit), "e0/x3"), (seal_verdict("other-secret", SESSION, "e0/x3", commit), "e0/x3"),
+                      (seal_verdict("run-secret", SESSION, "e0/x2", commit), "e0/x3"),
+                      (seal_verdict("run-secret", SESSION, "admit/1/1", commit), "admit/1/2"), ("garbage", None),
                       ('{"verdict": "[]", "tag": 1}', None)):
         with pytest.raises(ForgedVerdict, match="does not carry the run's tag"):
-            open_verdict("run-secret", text.encode(), key)
+            open_verdict("run-secret", SESSION, text.encode(), key)
     assert issubclass(ForgedVerdict, PeerLostError)  # (the round's owner stops on it: outer/sync.py)
     _, (_, member) = _members()
-    member.meta.set("e0/x0/verdict", seal_verdict("run-secret", "e0/x0", commit))  # before its vote
+    member.meta.set("e0/x0/verdict", seal_verdict("run-secret", SESSION, "e0/x0", commit))  # before its vote
     with pytest.raises(ForgedVerdict, match="committed although this cluster's attempt was not ok \\(fail\\)"):
         member.settle(1, "fail", time.monotonic())
-    member.meta.set("e0/x1/verdict", seal_verdict("run-secret", "e0/x1", commit))
+    member.meta.set("e0/x1/verdict", seal_verdict("run-secret", SESSION, "e0/x1", commit))
     assert member.settle(2, "ok", time.monotonic()) == commit
     # with a standalone coordinator a verdict that does not verify is no lost coordinator: no reconnect, a stop
     member.reconnect = lambda: pytest.fail("reconnected to the coordinator over a forged verdict")
     member.meta.set("e0/x2/verdict", json.dumps(commit))
     with pytest.raises(ForgedVerdict, match="on attempt e0/x2 does not carry the run's tag"):
         member.settle(3, "ok", time.monotonic())
+
+
+def _settle_all(members, outcome="ok") -> list:
+    """Every member votes on its next attempt at once (the coordinator among them decides): their verdicts."""
+    out = [None] * len(members)
+
+    def vote(i):
+        try:
+            out[i] = members[i].settle(1, outcome, time.monotonic())
+        except Exception as exc:
+            out[i] = exc
+    threads = [threading.Thread(target=vote, args=(i,)) for i in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.unit
+def test_a_vote_or_verdict_copied_from_another_session_at_the_same_key_is_refused():
+    """Two runs with the same secret (or one run before and after a coordinator failover), each in its own
+    rendezvous session. Run A decides attempt e0/x0 for real (a commit); a store writer copies cluster 1's tagged
+    vote, A's verdict and an admission A gave into run B's store at the same keys. B's coordinator does not count
+    the vote (cluster 1 is lost for the round) and B's member does not read the verdict nor the admission
+    (ForgedVerdict, nothing applied); B's own votes and verdicts verify."""
+    from megatron_dilocox.net.membership import ForgedVerdict, open_verdict, opened_vote, seal_verdict
+    session_a, session_b = secrets.token_hex(16), secrets.token_hex(16)
+    store_a, run_a = _members(session=session_a)
+    store_b, run_b = _members(session=session_b)
+    commit = {"action": "commit", "members": [0, 1], "epoch": 0, "lost": [], "admitted": [], "reason": ""}
+    assert _settle_all(run_a) == [commit, commit]  # the real flow, in session A
+    key = "e0/x0"
+    vote_a, verdict_a = run_a[0].meta.get(f"{key}/vote/1/0"), run_a[0].meta.get(f"{key}/verdict")
+    assert opened_vote("run-secret", session_a, key, 1, 0, vote_a) == "ok"
+    assert opened_vote("run-secret", session_b, key, 1, 0, vote_a) is None  # same secret, key, voter: other session
+    assert open_verdict("run-secret", session_a, verdict_a, key) == commit
+    with pytest.raises(ForgedVerdict, match=f"on attempt {key} does not carry the run's tag"):
+        open_verdict("run-secret", session_b, verdict_a, key)
+
+    coord_b, member_b = run_b
+    coord_b.meta.set(f"{key}/vote/1/0", vote_a)  # the writer's copy, in place of cluster 1's own vote
+    coord_b.meta.add(f"{key}/votes/1", 1)
+    verdict_b = coord_b.settle(1, "ok", time.monotonic())
+    assert verdict_b["action"] == "stop" and verdict_b["lost"] == [1], verdict_b
+    assert "the votes of cluster(s) 1 in the rendezvous store do not carry the run's tag" in verdict_b["reason"]
+    assert open_verdict("run-secret", session_b, coord_b.meta.get(f"{key}/verdict"), key) == verdict_b  # B's own
+
+    member_b.meta.set(f"{key}/verdict", verdict_a)  # A's commit in place of B's verdict, at the same key
+    with pytest.raises(ForgedVerdict, match=f"on attempt {key} does not carry the run's tag"):
+        member_b.settle(1, "ok", time.monotonic())
+    assert member_b.last is None  # nothing applied
+
+    # an admission A gave cluster 1, copied into B's store where cluster 1 waits for its own
+    admission = dict(commit, admitted=[1], epoch=1)
+    store_a.set("dilocox/m/admit/1/1", seal_verdict("run-secret", session_a, "admit/1/1", admission))
+    store_b.set("dilocox/m/admit/1/1", store_a.get("dilocox/m/admit/1/1"))
+    member_b.reconnect = None
+    with pytest.raises(ForgedVerdict, match="on attempt admit/1/1 does not carry the run's tag"):
+        member_b.wait_for_admission()
+    assert member_b.members == [0, 1] and member_b.epoch == 0  # not applied
+    # B's own admission verifies
+    store_b.set("dilocox/m/admit/1/1", seal_verdict("run-secret", session_b, "admit/1/1", admission))
+    assert member_b.wait_for_admission() == admission and member_b.epoch == 1
+
+
+def _session_of(cluster: int, local_rank: int, rendezvous: str) -> dict:
+    """Join a real embedded group as (cluster, local rank) of 2 x 2 ranks and settle one attempt (every rank votes
+    ok): the session this rank holds, its membership's, and the verdict it read."""
+    from megatron_dilocox.config import DiLoCoXConfig
+    from megatron_dilocox.net.topology import InterClusterGroup, connect_store
+    cfg = DiLoCoXConfig(num_clusters=2, cluster_id=cluster, rendezvous=rendezvous, secret="run-secret",
+                        timeout_seconds=60).validate()
+    group = InterClusterGroup(cfg, local_rank, connect_store(cfg, host_store=(cluster, local_rank) == (0, 0)),
+                              local_world=2)
+    try:
+        verdict = group.settle(1, "ok", time.monotonic())
+        m = group.membership
+        m.meta.add("test/read", 1)
+        while (cluster, local_rank) == (0, 0) and m.meta.add("test/read", 0) < 4:  # (it hosts the store)
+            time.sleep(0.05)
+        return {"session": group.session, "membership": m.session, "action": verdict["action"]}
+    finally:
+        group.close()
+
+
+@pytest.mark.core
+def test_every_rank_of_every_cluster_holds_the_coordinators_session_and_its_votes_verify():
+    """Embedded, 2 clusters x 2 local ranks, twice with the same secret: in each run every rank (cluster 0's
+    second local rank too) holds the one session the coordinator posted and proved, its votes verify at the
+    coordinator and its verdict at every rank (a commit); the two runs' sessions differ, so no tag of one verifies
+    in the other (test_a_vote_or_verdict_copied_from_another_session_at_the_same_key_is_refused)."""
+    from megatron_dilocox.harness.spawn import run_clusters
+    runs = [run_clusters(_session_of, 2, 2, args=(f"127.0.0.1:{free_port()}",), timeout=120) for _ in range(2)]
+    sessions = []
+    for res in runs:
+        assert sorted(res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert all(r["action"] == "commit" for r in res.values()), res
+        held = {r["session"] for r in res.values()} | {r["membership"] for r in res.values()}
+        assert len(held) == 1, res
+        sessions += held
+    assert sessions[0] != sessions[1]

@@ -7,6 +7,10 @@ The clusters run with ``--dilocox-coordinator standalone --dilocox-rendezvous HO
 learns the run's shape (clusters, ranks per cluster, policy, timeout) from the clusters' signed requests
 (``rendezvous.py``) and decides every round exactly as cluster 0 does in embedded mode (``membership.py``).
 
+Its verdicts and the votes it counts are tagged over its own session (the challenge every rank proved the
+secret against, ``membership.py``): a restarted coordinator, or a woken standby, posts a new one, and the votes
+and verdicts of the one before do not verify with it.
+
 It holds nothing the clusters do not also hold. A restarted coordinator (or a woken standby) rebuilds
 its state from the views the clusters send with their new proofs: the newest verdict any rank has read
 is published again (a rank that missed it gets the same one, so no round is applied twice or lost), and
@@ -109,7 +113,7 @@ class Coordinator:
         if self.shape is None:
             self.shape = {s: shape[s] for s in SHAPE}
             self.m = Membership(self.store, -1, 0, shape["local_world"], shape["num_clusters"], shape["timeout"],
-                                shape["policy"], lambda *_: None, self.secret)
+                                shape["policy"], lambda *_: None, self.secret, self.session)
             self.m.embedded, self.m.heartbeat = False, self
         wrong = [f"{s} {shape[s]!r} (the run has {self.shape[s]!r})" for s in SHAPE if shape[s] != self.shape[s]]
         if wrong or not 0 <= c < self.shape["num_clusters"]:

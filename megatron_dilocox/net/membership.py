@@ -26,14 +26,16 @@ the same verdicts from its own process; when it is lost, ``reconnect`` finds it 
 standby), each rank sends ``report()`` and repeats its pending vote, and the new one publishes the newest
 verdict any rank read once more, so every rank applies the same verdicts in the same order.
 
-Votes and verdicts are tagged (HMAC-SHA256 under the run's secret, over the attempt's key, the voter and what it
-says; ``signed_vote``, ``seal_verdict``; not over the rendezvous session, which differs between a cluster's local
-ranks, so one from an earlier run with the same secret verifies at the same key: docs/security.md). The store is
-reachable by whoever reaches its port, so the coordinator counts a vote only when its tag verifies (one that
-does not counts as that member's loss for the round, like a forged payload), every rank reads a verdict only
-when its tag verifies (one that does not stops the run: nothing is applied on it), and a member commits a round
-only when its own attempt was ok (``settle``): a store writer without the secret can stall or stop a run, not
-make a member apply a round it did not finish.
+Votes, verdicts and admissions are tagged (HMAC-SHA256 under the run's secret, over the rendezvous session, the
+attempt's key, the voter and what it says; ``signed_vote``, ``seal_verdict``). The session is the coordinator's
+challenge, which every rank of every cluster holds, proven by the coordinator itself (``topology.py`` embedded,
+``rendezvous.py`` standalone; a standalone coordinator restarted or woken posts a new one, and every rank takes it
+when it fails over), so a tag recorded in another run, or under a coordinator before a failover, does not verify
+at the same key. The store is reachable by whoever reaches its port, so the coordinator counts a vote only when
+its tag verifies (one that does not counts as that member's loss for the round, like a forged payload), every
+rank reads a verdict only when its tag verifies (one that does not stops the run: nothing is applied on it), and
+a member commits a round only when its own attempt was ok (``settle``): a store writer without the secret can
+stall or stop a run, not make a member apply a round it did not finish.
 
 Joining mid-run (policy continue): a restarted cluster finds the run in progress, authenticates by the
 same challenge-response (the coordinator checks its proof at the next verdict), posts that all of its
@@ -66,39 +68,40 @@ class ForgedVerdict(PeerLostError):
     """A verdict (or an admission) in the store whose tag does not verify: nothing is applied on it."""
 
 
-def signed_vote(secret: str, key: str, cluster: int, local_rank: int, outcome: str) -> str:
-    """What a rank posts as its vote on attempt ``key``: the outcome and its tag."""
-    return f"{outcome}\n{mac(secret, 'vote', key, cluster, local_rank, outcome)}"
+def signed_vote(secret: str, session: str, key: str, cluster: int, local_rank: int, outcome: str) -> str:
+    """What a rank posts as its vote on attempt ``key`` of rendezvous ``session``: the outcome and its tag."""
+    return f"{outcome}\n{mac(secret, 'vote', session, key, cluster, local_rank, outcome)}"
 
 
-def opened_vote(secret: str, key: str, cluster: int, local_rank: int, raw: bytes) -> Optional[str]:
-    """The outcome of a posted vote, or None when its tag does not verify (not this rank's vote on this key)."""
+def opened_vote(secret: str, session: str, key: str, cluster: int, local_rank: int, raw: bytes) -> Optional[str]:
+    """The outcome of a posted vote, or None when its tag does not verify (not this rank's vote on this key in this
+    session)."""
     outcome, _, got = raw.decode(errors="replace").rpartition("\n")
-    want = mac(secret, "vote", key, cluster, local_rank, outcome)
+    want = mac(secret, "vote", session, key, cluster, local_rank, outcome)
     return outcome if hmac.compare_digest(got.encode(), want.encode()) else None
 
 
-def seal_verdict(secret: str, key: str, verdict: dict) -> str:
-    """A verdict as posted: its fields, the attempt's key and a tag over both."""
+def seal_verdict(secret: str, session: str, key: str, verdict: dict) -> str:
+    """A verdict as posted: its fields, the attempt's key and a tag over both and the rendezvous session."""
     body = json.dumps({**verdict, "key": key}, sort_keys=True)
-    return json.dumps({"verdict": body, "tag": mac(secret, "verdict", body)})
+    return json.dumps({"verdict": body, "tag": mac(secret, "verdict", session, body)})
 
 
-def open_verdict(secret: str, raw: bytes, key: Optional[str] = None) -> dict:
-    """The verdict posted as ``raw`` (on attempt ``key``, when given), or ForgedVerdict."""
+def open_verdict(secret: str, session: str, raw: bytes, key: Optional[str] = None) -> dict:
+    """The verdict posted as ``raw`` in ``session`` (on attempt ``key``, when given), or ForgedVerdict."""
     try:
         posted = json.loads(raw)
         body, got = posted["verdict"], posted["tag"]
         verdict = json.loads(body)
-        ok = hmac.compare_digest(str(got).encode(), mac(secret, "verdict", body).encode()) and \
+        ok = hmac.compare_digest(str(got).encode(), mac(secret, "verdict", session, body).encode()) and \
             isinstance(verdict, dict) and (key is None or verdict.get("key") == key)
     except (ValueError, KeyError, TypeError, AttributeError):
         ok = False
     if not ok:
         raise ForgedVerdict(f"a verdict in the rendezvous store{f' on attempt {key}' if key else ''} does not carry "
-                            f"the run's tag (written by someone without the secret, or from another attempt): "
-                            f"nothing was applied on it; stopping. Let only your own sites reach the rendezvous "
-                            f"port (docs/security.md)")
+                            f"the run's tag (written by someone without the secret, or from another attempt or "
+                            f"session): nothing was applied on it; stopping. Let only your own sites reach the "
+                            f"rendezvous port (docs/security.md)")
     del verdict["key"]
     return verdict
 
@@ -168,9 +171,11 @@ class Membership:
     """This rank's view of the member clusters, and (on cluster 0, local rank 0) the coordinator."""
 
     def __init__(self, store: TCPStore, cluster: int, local_rank: int, local_world: int, num_clusters: int,
-                 timeout: float, policy: str, verify_join: Callable[[int, int], None], secret: str):
+                 timeout: float, policy: str, verify_join: Callable[[int, int], None], secret: str, session: str):
         self.meta = PrefixStore("dilocox/m", store)  # shared by every local rank of every cluster
-        self.secret = secret  # tags votes and verdicts (the module docstring)
+        # tag votes and verdicts (the module docstring); the session is the coordinator's challenge (every rank
+        # holds the same), changed by a standalone coordinator's failover (InterClusterGroup._failover)
+        self.secret, self.session = secret, session
         self.cluster, self.local_rank, self.local_world = cluster, local_rank, local_world
         self.timeout, self.policy = timeout, policy
         self.members = list(range(num_clusters))
@@ -224,15 +229,15 @@ class Membership:
 
     def _vote(self, key: str, outcome: str, attempt_end: float) -> dict:
         self.meta.set(f"{key}/vote/{self.cluster}/{self.local_rank}",
-                      signed_vote(self.secret, key, self.cluster, self.local_rank, outcome))
+                      signed_vote(self.secret, self.session, key, self.cluster, self.local_rank, outcome))
         self.meta.add(f"{key}/votes/{self.cluster}", 1)
         if self.coordinator:
             self.post_verdict(key, self._decide(key, attempt_end))
         self.meta.wait([f"{key}/verdict"], timedelta(seconds=3 * self.timeout))
-        return open_verdict(self.secret, self.meta.get(f"{key}/verdict"), key)
+        return open_verdict(self.secret, self.session, self.meta.get(f"{key}/verdict"), key)
 
     def post_verdict(self, key: str, verdict: dict):
-        self.meta.set(f"{key}/verdict", seal_verdict(self.secret, key, verdict))
+        self.meta.set(f"{key}/verdict", seal_verdict(self.secret, self.session, key, verdict))
 
     def _store_alive(self) -> bool:
         try:
@@ -264,7 +269,7 @@ class Membership:
         return None
 
     def verdict(self, key: str, missing: list[int]) -> dict:
-        posted = {(c, r): opened_vote(self.secret, key, c, r, self.meta.get(f"{key}/vote/{c}/{r}"))
+        posted = {(c, r): opened_vote(self.secret, self.session, key, c, r, self.meta.get(f"{key}/vote/{c}/{r}"))
                   for c in self.members if c not in missing for r in range(self.local_world)}
         votes = [v for v in posted.values() if v is not None]
         refused = [v for v in votes if v.startswith("refused:")]
@@ -308,7 +313,7 @@ class Membership:
         for c in verdict["admitted"]:
             n = self.meta.add(f"admissions/{c}", 1)
             self.meta.delete_key(f"join/{c}")
-            self.meta.set(f"admit/{c}/{n}", seal_verdict(self.secret, f"admit/{c}/{n}", verdict))
+            self.meta.set(f"admit/{c}/{n}", seal_verdict(self.secret, self.session, f"admit/{c}/{n}", verdict))
 
     def _silent(self, cluster: int) -> bool:
         """True once ``cluster``'s heartbeat has not moved for heartbeat_after(timeout) seconds."""
@@ -361,6 +366,6 @@ class Membership:
                 n = 0
         self.joining = False
         key = f"admit/{self.cluster}/{n + 1}"
-        verdict = open_verdict(self.secret, self.meta.get(key), key)
+        verdict = open_verdict(self.secret, self.session, self.meta.get(key), key)
         self.apply(verdict)
         return verdict

@@ -8,11 +8,14 @@ proofs below are ``rendezvous.py``'s, made to the coordinator). Keys are prefixe
 per-rank groups never mix.
 
 Joining is authenticated by challenge-response on the shared secret (HMAC-SHA256; the secret itself is
-never sent): cluster 0 posts a nonce, each peer answers with HMAC(secret, nonce, cluster, peer-nonce)
-and cluster 0 proves itself back. A peer with a wrong secret is refused with a clear error and cluster 0
-keeps waiting for the right one until the timeout. Then every cluster posts a fingerprint (settings,
-layout, versions) and all compare it with cluster 0's, naming any difference. Gloo traffic itself is
-not encrypted: run the inter-cluster link over a VPN (docs/security.md).
+never sent): cluster 0's local rank 0 (the coordinator) posts one challenge for the run, every other rank of
+every cluster (cluster 0's other local ranks too) answers with HMAC(secret, challenge, cluster, local rank,
+nonce) under its local rank's keys, and the coordinator proves itself back to each. So every rank holds the
+same session (the challenge), proven by the coordinator, as with a standalone coordinator: the membership's
+votes and verdicts are tagged over it (``membership.py``). A peer with a wrong secret is refused with a clear
+error and cluster 0 keeps waiting for the right one until the timeout. Then every cluster posts a fingerprint
+(settings, layout, versions) and all compare it with cluster 0's, naming any difference. Gloo traffic itself
+is not encrypted: run the inter-cluster link over a VPN (docs/security.md).
 """
 from __future__ import annotations
 
@@ -103,8 +106,6 @@ class InterClusterGroup(Collective):
         self.local_rank = local_rank
         self.timeout = timedelta(seconds=cfg.timeout_seconds)
         self.base = PrefixStore(f"dilocox/lr{local_rank}", store)
-        self.membership = Membership(store, cfg.cluster_id, local_rank, local_world, cfg.num_clusters,
-                                     cfg.timeout_seconds, cfg.on_peer_failure, self._verify_join, cfg.secret or "")
         self.standalone = cfg.coordinator == "standalone"
         self.local_world, self.fingerprint = local_world, fingerprint or {}
         self.failovers: list[tuple[float, float]] = []  # (noticed, reconnected) wall times, standalone
@@ -112,14 +113,19 @@ class InterClusterGroup(Collective):
         if self.standalone:  # the coordinator says whether the run is in progress (then this cluster rejoins)
             self.address = cfg.addresses[0] if len(cfg.addresses) == 1 else "--dilocox-rendezvous"
             self.session, self.joining = authenticate(store, self.address, cfg, local_rank, local_world, None)
-            self.membership.embedded, self.membership.reconnect = False, self._failover
         else:
             if store.check(["dilocox/coord/challenge"]):
                 raise RendezvousError(f"DiLoCoX rendezvous: {cfg.rendezvous} is a standalone coordinator: start "
                                       f"every cluster with --dilocox-coordinator standalone")
             # a restarted cluster finds the run in progress (cluster 0 marks it once everyone has joined)
             self.joining = cfg.cluster_id != 0 and self._run_in_progress()
-            self.session = self._authenticate(self.base)
+            self.session = self._authenticate()
+        # the session every rank holds (the coordinator's challenge) binds the membership's tags
+        self.membership = Membership(store, cfg.cluster_id, local_rank, local_world, cfg.num_clusters,
+                                     cfg.timeout_seconds, cfg.on_peer_failure, self._verify_join, cfg.secret or "",
+                                     self.session)
+        if self.standalone:
+            self.membership.embedded, self.membership.reconnect = False, self._failover
         self._check_fingerprints(self.base, self.session, self.fingerprint)
         self.admission: Optional[dict] = None
         if self.joining:
@@ -162,6 +168,7 @@ class InterClusterGroup(Collective):
                                                   cfg.timeout_seconds)
                 self.session, _ = authenticate(store, address, cfg, self.local_rank, self.local_world,
                                                self.membership.report())
+                self.membership.session = self.session  # the new coordinator's: its verdicts, this rank's votes
                 break
             except Exception as exc:
                 if time.monotonic() - t0 > cfg.timeout_seconds or "refused" in str(exc) or "two coordinators" in str(exc):
@@ -176,10 +183,15 @@ class InterClusterGroup(Collective):
                                                                                 default=str))
         return store
 
+    def _lr(self, local_rank: int) -> PrefixStore:
+        """Local rank ``local_rank``'s keys in the rendezvous store (local rank 0's hold the run's challenge)."""
+        return PrefixStore(f"dilocox/lr{local_rank}", self.base.underlying_store)
+
     def _run_in_progress(self) -> bool:
-        if not self.base.check(["running", "challenge"]):
+        run = self._lr(0)
+        if not self.base.check(["running"]) or not run.check(["challenge"]):
             return False
-        session = self.base.get("challenge").decode()
+        session = run.get("challenge").decode()
         return hmac.compare_digest(self.base.get("running").decode(), _mac(self.cfg.secret, "running", session))
 
     def _form(self):
@@ -188,8 +200,10 @@ class InterClusterGroup(Collective):
         self.rank, self.size = m.members.index(self.cluster), len(m.members)
         self.pg = ProcessGroupGloo(PrefixStore(f"pg/{self.session}/e{m.epoch}", self.base), self.rank, self.size,
                                    self.timeout)
-        # every member of this gloo group met under this session and epoch: one payload key for all of them
-        self.key = derive_key(self.cfg.secret, f"{self.session}/e{m.epoch}") if self.cfg.payload_auth else None
+        # every member of this gloo group met under this session and epoch: one payload key for all of them (and
+        # its own for each local rank's group: the session is the run's, the same in every one)
+        self.key = derive_key(self.cfg.secret, f"{self.session}/lr{self.local_rank}/e{m.epoch}") \
+            if self.cfg.payload_auth else None
         self._prove_members()
 
     def _prove_members(self):
@@ -197,14 +211,15 @@ class InterClusterGroup(Collective):
         plain TCP, so whoever reaches its port could have taken a member's slot in the group."""
         m = self.membership
         nonce = secrets.token_hex(16)
-        proof = f"{self.cluster:08d}{nonce}{_mac(self.cfg.secret, 'member', self.session, m.epoch, self.cluster, nonce)}"
+        proof = f"{self.cluster:08d}{nonce}" \
+                f"{_mac(self.cfg.secret, 'member', self.session, self.local_rank, m.epoch, self.cluster, nonce)}"
         mine = torch.frombuffer(bytearray(proof.encode()), dtype=torch.uint8)
         for rank, buf in enumerate(self._all_gather(mine)):
             text = bytes(buf.tolist()).decode(errors="replace")
             cluster, nonce_r, mac = text[:8], text[8:40], text[40:]
             expected = m.members[rank]
             ok = cluster == f"{expected:08d}" and hmac.compare_digest(
-                mac, _mac(self.cfg.secret, "member", self.session, m.epoch, expected, nonce_r))
+                mac, _mac(self.cfg.secret, "member", self.session, self.local_rank, m.epoch, expected, nonce_r))
             if not ok:
                 raise RendezvousError(f"DiLoCoX: the member in cluster {expected}'s place in the inter-cluster group "
                                       f"(local rank {self.local_rank}, epoch {m.epoch}) could not prove the shared "
@@ -253,50 +268,61 @@ class InterClusterGroup(Collective):
         return self.membership.members[rank]
 
     # ----------------------------------------------------------------------------- rendezvous
-    def _authenticate(self, store) -> str:
-        secret, me, deadline = self.cfg.secret, self.rank, time.monotonic() + self.cfg.timeout_seconds
-        late = f"within {self.cfg.timeout_seconds:.0f}s (local rank {self.local_rank})"
-        if me == 0:
+    def _authenticate(self) -> str:
+        """(Embedded) one session for the run: the coordinator (cluster 0, local rank 0) posts the challenge under
+        local rank 0's keys and answers every other rank of every cluster under that rank's local rank's keys;
+        every other rank reads the challenge and proves the secret to the coordinator, which proves it back."""
+        secret, me, deadline = self.cfg.secret, self.cluster, time.monotonic() + self.cfg.timeout_seconds
+        run = self._lr(0)
+        if me == 0 and self.local_rank == 0:
             session = secrets.token_hex(16)
-            store.set("challenge", session)
-            for peer in range(1, self.size):
-                while True:
-                    answer = _get(store, f"auth/{peer}", deadline, f"cluster {peer} did not present a valid secret {late}")
-                    nonce, _, proof = answer.decode().partition(":")
-                    ok = self._answer(store, session, peer, answer.decode())
-                    store.delete_key(f"auth/{peer}")
-                    if ok:
-                        break
+            run.set("challenge", session)
+            for local_rank in range(self.local_world):
+                store = self._lr(local_rank)
+                late = f"within {self.cfg.timeout_seconds:.0f}s (local rank {local_rank})"
+                for peer in range(self.size):
+                    if (peer, local_rank) == (0, 0):
+                        continue
+                    while True:
+                        answer = _get(store, f"auth/{peer}", deadline,
+                                      f"cluster {peer} did not present a valid secret {late}")
+                        ok = self._answer(store, session, peer, local_rank, answer.decode())
+                        store.delete_key(f"auth/{peer}")
+                        if ok:
+                            break
             return session
-        session = _get(store, "challenge", deadline, f"cluster 0 did not open the rendezvous {late}").decode()
+        late = f"within {self.cfg.timeout_seconds:.0f}s (local rank {self.local_rank})"
+        session = _get(run, "challenge", deadline, f"cluster 0 did not open the rendezvous {late}").decode()
         if self.joining:  # the coordinator checks a joiner's proof at its next round boundary
             deadline = time.monotonic() + self.cfg.timeout_seconds
-        nonce = secrets.token_hex(16)
-        store.set(f"auth/{me}", f"{nonce}:{_mac(secret, 'peer', session, me, nonce)}")
+        nonce, store = secrets.token_hex(16), self.base
+        store.set(f"auth/{me}", f"{nonce}:{_mac(secret, 'peer', session, me, self.local_rank, nonce)}")
         verdict = _get(store, f"verdict/{me}/{nonce}", deadline, f"cluster 0 did not answer {late}").decode()
         if verdict == "refused":
             raise RendezvousError(f"DiLoCoX rendezvous refused by cluster 0: wrong secret from cluster {me} "
                                   f"(set the same $DILOCOX_SECRET on every cluster)")
-        if not hmac.compare_digest(verdict.partition(":")[2], _mac(secret, "host", session, me, nonce)):
+        if not hmac.compare_digest(verdict.partition(":")[2],
+                                   _mac(secret, "host", session, me, self.local_rank, nonce)):
             raise RendezvousError("DiLoCoX rendezvous: cluster 0 could not prove the shared secret; "
                                   "the rendezvous address may not be your cluster 0, or the secrets differ")
         return session
 
-    def _answer(self, store, session: str, peer: int, answer: str) -> bool:
-        """(Cluster 0) check a peer's proof; post the verdict, with our own proof when it is right."""
+    def _answer(self, store, session: str, peer: int, local_rank: int, answer: str) -> bool:
+        """(Coordinator) check a peer's proof; post the verdict, with our own proof when it is right."""
         nonce, _, proof = answer.partition(":")
-        ok = hmac.compare_digest(proof, _mac(self.cfg.secret, "peer", session, peer, nonce))
-        store.set(f"verdict/{peer}/{nonce}", "ok:" + _mac(self.cfg.secret, "host", session, peer, nonce)
+        ok = hmac.compare_digest(proof, _mac(self.cfg.secret, "peer", session, peer, local_rank, nonce))
+        store.set(f"verdict/{peer}/{nonce}", "ok:" + _mac(self.cfg.secret, "host", session, peer, local_rank, nonce)
                   if ok else "refused")
         return ok
 
     def _verify_join(self, peer: int, local_rank: int):
-        """(Coordinator, mid-run) answer a restarted cluster's local rank, if it has asked."""
-        store = PrefixStore(f"dilocox/lr{local_rank}", self.base.underlying_store)
+        """(Coordinator, mid-run) answer a restarted cluster's local rank, if it has asked: under the run's
+        session (this rank's own, not one read back from the store)."""
+        store = self._lr(local_rank)
         if store.check([f"auth/{peer}"]):
             answer = store.get(f"auth/{peer}").decode()
             store.delete_key(f"auth/{peer}")
-            self._answer(store, store.get("challenge").decode(), peer, answer)
+            self._answer(store, self.session, peer, local_rank, answer)
 
     def _check_fingerprints(self, store, session: str, fingerprint: dict):
         deadline = time.monotonic() + self.cfg.timeout_seconds
