@@ -9,7 +9,9 @@ Here every cluster estimates its own top-r subspace with ``--dilocox-lowrank-loc
 iterations (compute, no bytes), warm-started from its own last right factor, fits the right factor to the
 *quantized* left factor (least squares, so P's quantization error is mostly absorbed), and sends both in one
 all-gather. The average is Δ = (1/C) Σ_c P_c Q_c^T (rank up to C·r; with unequal token weights each term
-scaled by C·w_c/Σw), summed in cluster order, so every cluster computes bitwise the same Δ. Bytes per round are the shared basis's at the same rank (same factor shapes),
+scaled by C·w_c/Σw), summed in cluster order and, inside each term, rank by rank with one rounded multiply and one
+rounded add per value (``rebuild_exactly``: no BLAS, whose blocking, FMA and kernel choice differ between CPUs,
+GPUs, libraries and settings), so every cluster computes bitwise the same Δ whatever its arithmetic. Bytes per round are the shared basis's at the same rank (same factor shapes),
 in one phase instead of two: one WAN round trip fewer. Error feedback stays local and exact:
 e_c = M_c − P_c Q_c^T with the factors as they were sent.
 """
@@ -48,10 +50,10 @@ class LocalBasisExchange:
             factors = [(decoded[k].view(pieces[k].shape), decoded[G + k].view(qt[k].shape)) for k in range(G)]
             for k, (pw, qw) in enumerate(factors):
                 qw = self._weighted(qw, c)  # (the sent factors, kept in ``own``, stay unweighted)
-                if out[k] is None:
-                    out[k] = torch.bmm(pw.transpose(1, 2), qw, out=self._slab(self._out, k, M[k].shape))
-                else:
-                    out[k].baddbmm_(pw.transpose(1, 2), qw)
+                first = out[k] is None
+                if first:
+                    out[k] = self._slab(self._out, k, M[k].shape)
+                rebuild_exactly(out[k], pw, qw, first)
             if len(M) > G:
                 whole = self._weighted(decoded[2 * G].view(M[G].shape), c)
                 out[G] = whole.clone() if out[G] is None else out[G].add_(whole)
@@ -75,3 +77,17 @@ class LocalBasisExchange:
                 stat_sum[:-1].tolist(), float(stat_sum[-1]), self.rank, self.cfg.energy_threshold,
                 self.cfg.resolved_rank_min, self.rank_cap)
         return None, out, e_sq
+
+
+def rebuild_exactly(out: torch.Tensor, pw: torch.Tensor, qw: torch.Tensor, first: bool):
+    """``out`` (+)= Σ_j pw[:, j]ᵀ ⊗ qw[:, j] ([B, rows, cols] from [B, r, rows] and [B, r, cols]), one rank at a
+    time in order, each an elementwise product then an elementwise add: IEEE rounds each of them to the same bits on
+    every device, so the sites' Δ agree bitwise where a batched matmul's would not (MKL's reproducibility mode
+    alone changes bmm's bits on one CPU: scripts/bench/mixed_arithmetic.py). It costs 2r passes over Δ instead of
+    one product."""
+    tmp = torch.empty_like(out) if pw.shape[1] > 1 or not first else out
+    for j in range(pw.shape[1]):
+        term = out if first and j == 0 else tmp
+        torch.mul(pw[:, j, :, None], qw[:, j, None, :], out=term)
+        if term is not out:
+            out.add_(term)
