@@ -79,15 +79,19 @@ class LocalBasisExchange:
         return None, out, e_sq
 
 
-def rebuild_exactly(out: torch.Tensor, pw: torch.Tensor, qw: torch.Tensor, first: bool):
+def rebuild_exactly(out: torch.Tensor, pw: torch.Tensor, qw: torch.Tensor, first: bool, block: int = 1 << 14):
     """``out`` (+)= Σ_j pw[:, j]ᵀ ⊗ qw[:, j] ([B, rows, cols] from [B, r, rows] and [B, r, cols]), one rank at a
     time in order, each an elementwise product then an elementwise add: IEEE rounds each of them to the same bits on
     every device, so the sites' Δ agree bitwise where a batched matmul's would not (MKL's reproducibility mode
     alone changes bmm's bits on one CPU: scripts/bench/mixed_arithmetic.py). It costs 2r passes over Δ instead of
-    one product."""
-    tmp = torch.empty_like(out) if pw.shape[1] > 1 or not first else out
-    for j in range(pw.shape[1]):
-        term = out if first and j == 0 else tmp
-        torch.mul(pw[:, j, :, None], qw[:, j, None, :], out=term)
-        if term is not out:
-            out.add_(term)
+    one product; a block of rows at a time (about ``block`` values) keeps those passes in cache."""
+    rows_per_block = max(1, block // max(1, out.shape[-1]))
+    tmp = torch.empty_like(out[:, :rows_per_block])
+    for a in range(0, out.shape[1], rows_per_block):
+        o = out[:, a:a + rows_per_block]
+        t = tmp[:, :o.shape[1]]
+        for j in range(pw.shape[1]):
+            term = o if first and j == 0 else t
+            torch.mul(pw[:, j, a:a + rows_per_block, None], qw[:, j, None, :], out=term)
+            if term is not o:
+                o.add_(term)
