@@ -120,3 +120,21 @@ def test_chunks_cut_runs_alike_at_most_size_values_each():
 def test_the_planner_cuts_and_places_lanes_as_the_run_does():
     from megatron_dilocox.outer import lane_plan
     assert lanes.split_lanes is lane_plan.split_lanes and lanes.owners is lane_plan.owners
+
+
+def cover(rows_by_src, lo, hi):
+    mover = lanes.LaneMover.__new__(lanes.LaneMover)  # (only the check: no process group)
+    mover.bounds, mover.world = [(lo, hi)], len(rows_by_src)
+    mover.theirs = {(0, src, True): torch.tensor(rows, dtype=torch.int64).view(-1, 2)
+                    for src, rows in enumerate(rows_by_src)}
+    mover._check_cover(0)
+
+
+def test_a_lane_must_be_covered_by_the_main_replicas_exactly_once():
+    cover([[[0, 4], [9, 1]], [[4, 5]]], 100, 110)  # (offsets in the lane; two ranks' runs, any order)
+    with pytest.raises(RuntimeError, match="lane 0 has 1 values held by no main replica and 0 read from two"):
+        cover([[[0, 4]], [[4, 5]]], 100, 110)
+    with pytest.raises(RuntimeError, match="0 values held by no main replica and 2 read from two"):
+        cover([[[0, 6], [9, 1]], [[4, 5]]], 100, 110)
+    with pytest.raises(RuntimeError, match="10 values held by no main replica"):
+        cover([[], []], 0, 10)

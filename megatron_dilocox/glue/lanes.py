@@ -1,8 +1,9 @@
 """Lanes: the canonical exchange spread over a site's ranks (--dilocox-lanes L, docs/algorithm.md#lanes).
 
 The canonical space (every global tensor by name, in the order every site derives: canonical.py) is cut into L
-lanes of whole tensors, balanced by size; L is a setting every site must share (the rendezvous compares it). Lane k
-lives on rank ``k mod W`` of a site of W ranks, which keeps that lane's θ and outer state only, and the sites'
+lanes of whole tensors, balanced by size; L is a setting every site must share (the rendezvous compares it). Each
+lane lives on one rank of a site (lane_plan.owners: lane 0 on rank 0, the others by size over the site's ranks),
+which keeps that lane's θ and outer state only, and the sites'
 owners of lane k exchange lane k in their own inter-site group, exactly as local rank k of every site does in the
 local layout (a lane is a virtual rank: its group's membership counts L ranks per site). A rank that owns several
 lanes (a site with fewer ranks than L) runs each lane's round in its own thread, so that every lane reaches the
@@ -32,7 +33,7 @@ from megatron_dilocox.outer.lane_plan import owners, split_lanes  # noqa: F401  
 
 # values per point-to-point message inside a site (64 MiB of fp32); $DILOCOX_LANE_CHUNK sets another (the tests cut
 # runs across chunks with a small one)
-CHUNK = int(os.environ.get("DILOCOX_LANE_CHUNK", 1 << 24))
+CHUNK = max(1, int(os.environ.get("DILOCOX_LANE_CHUNK", 1 << 24)))
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -175,15 +176,17 @@ class LaneMover:
         return t.to(self.device)
 
     def _check_cover(self, k: int):
+        """Lane k is covered by the main replicas' runs exactly once (by ranges: no per-value array)."""
         lo, hi = self.bounds[k]
-        seen = torch.zeros(hi - lo, dtype=torch.int8)
-        for src in range(self.world):
-            for at, n in self.theirs[(k, src, True)].tolist():
-                seen[at:at + n] += 1
-        if not bool((seen == 1).all()):
-            raise RuntimeError(f"DiLoCoX lanes: lane {k} has {int((seen == 0).sum())} values held by no main replica "
-                               f"and {int((seen > 1).sum())} read from two (Megatron's replica ids; use "
-                               f"--dilocox-exchange-layout local)")
+        rows = torch.cat([self.theirs[(k, src, True)] for src in range(self.world)])
+        rows = rows[rows[:, 0].argsort()] if rows.numel() else rows.view(0, 2)
+        ends = rows[:, 0] + rows[:, 1]
+        gaps = int(rows[0, 0]) if rows.numel() else hi - lo
+        gaps += int((rows[1:, 0] - ends[:-1]).clamp(min=0).sum()) + (hi - lo - int(ends[-1]) if rows.numel() else 0)
+        twice = int((ends[:-1] - rows[1:, 0]).clamp(min=0).sum()) if rows.numel() else 0
+        if gaps or twice:
+            raise RuntimeError(f"DiLoCoX lanes: lane {k} has {gaps} values held by no main replica and {twice} read "
+                               f"from two (Megatron's replica ids; use --dilocox-exchange-layout local)")
 
     def numel(self, k: int) -> int:
         lo, hi = self.bounds[k]

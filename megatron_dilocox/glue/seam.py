@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from megatron_dilocox.compression.layout import split_layout
-from megatron_dilocox.config import PARALLEL_LAYOUT_ARGS, DiLoCoXConfig
+from megatron_dilocox.config import PARALLEL_LAYOUT_ARGS, DiLoCoXConfig, DiLoCoXConfigError
 from megatron_dilocox.glue import checkpoints, per_site, run_clock
 from megatron_dilocox.glue.per_site import run_iters
 from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views
@@ -276,7 +276,13 @@ class DiLoCoXOptimizer:
         if self.cfg.exchange_layout == "canonical":  # lane -> state, for the lanes this rank owns
             ours = {k: getattr(v, "data", v) for k, v in (ours or {}).items()}
             complete = float(all(ours.get(k) is not None for k in self.sync.owned))
-            if TorchDistCluster().reduce([complete], "sum")[0] < torch.distributed.get_world_size():
+            some = float(any(v is not None for v in ours.values()))
+            complete, some = TorchDistCluster().reduce([complete, some], "sum")
+            if complete < torch.distributed.get_world_size():
+                if some:  # (on every rank alike) lanes saved, not these: another --dilocox-lanes
+                    raise DiLoCoXConfigError(f"the checkpoint's DiLoCoX state has no object for some of the "
+                                             f"{self.cfg.lanes} lanes this site owns: it was saved with another "
+                                             f"--dilocox-lanes; resume with the value it was saved with")
                 ours = None  # (on every rank of the site alike: start() is a collective)
         if ours is None:
             log.warning("DiLoCoX: the checkpoint has no DiLoCoX state; starting rounds afresh from its model")

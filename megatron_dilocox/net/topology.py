@@ -277,24 +277,28 @@ class InterClusterGroup(Collective):
         if me == 0 and self.local_rank == 0:
             session = secrets.token_hex(16)
             run.set("challenge", session)
-            for local_rank in range(self.local_world):
-                store = self._lr(local_rank)
-                late = f"within {self.cfg.timeout_seconds:.0f}s (local rank {local_rank})"
-                for peer in range(self.size):
-                    if (peer, local_rank) == (0, 0):
-                        continue
-                    while True:
-                        answer = _get(store, f"auth/{peer}", deadline,
-                                      f"cluster {peer} did not present a valid secret {late}")
-                        ok = self._answer(store, session, peer, local_rank, answer.decode())
-                        store.delete_key(f"auth/{peer}")
-                        if ok:
-                            break
+            # every (cluster, local rank) answered as it asks, in whatever order they come (a site that starts
+            # late must not hold up the answer to one that came early)
+            pending = {(peer, lr) for lr in range(self.local_world) for peer in range(self.size)} - {(0, 0)}
+            while pending:
+                asked = [(peer, lr) for peer, lr in sorted(pending) if self._lr(lr).check([f"auth/{peer}"])]
+                for peer, lr in asked:
+                    store = self._lr(lr)
+                    answer = store.get(f"auth/{peer}").decode()
+                    store.delete_key(f"auth/{peer}")
+                    if self._answer(store, session, peer, lr, answer):
+                        pending.discard((peer, lr))
+                if pending and time.monotonic() > deadline:
+                    who = ", ".join(f"cluster {c} local rank {lr}" for c, lr in sorted(pending))
+                    raise RendezvousError(f"DiLoCoX rendezvous: {who} did not present a valid secret within "
+                                          f"{self.cfg.timeout_seconds:.0f}s")
+                if not asked:
+                    time.sleep(0.05)
             return session
         late = f"within {self.cfg.timeout_seconds:.0f}s (local rank {self.local_rank})"
         session = _get(run, "challenge", deadline, f"cluster 0 did not open the rendezvous {late}").decode()
-        if self.joining:  # the coordinator checks a joiner's proof at its next round boundary
-            deadline = time.monotonic() + self.cfg.timeout_seconds
+        # from the challenge on, the coordinator has the timeout to answer (a joiner's: at its next round boundary)
+        deadline = time.monotonic() + self.cfg.timeout_seconds
         nonce, store = secrets.token_hex(16), self.base
         store.set(f"auth/{me}", f"{nonce}:{_mac(secret, 'peer', session, me, self.local_rank, nonce)}")
         verdict = _get(store, f"verdict/{me}/{nonce}", deadline, f"cluster 0 did not answer {late}").decode()

@@ -2,7 +2,7 @@
 
 The canonical exchange (``glue/lanes.py``, docs/algorithm.md#lanes) and the planner (``sim/canonical.py``) must cut
 the model alike, so the rule lives here, with no torch import: the planner stays pure Python and prices the lanes
-the run builds. ``tests/test_sim.py`` checks that ``glue.lanes`` cuts and places lanes exactly as this module does.
+the run builds (``glue/lanes.py`` imports them from here).
 """
 from __future__ import annotations
 
