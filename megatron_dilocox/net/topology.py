@@ -289,7 +289,8 @@ class InterClusterGroup(Collective):
                     if self._answer(store, session, peer, lr, answer):
                         pending.discard((peer, lr))
                 if pending and time.monotonic() > deadline:
-                    who = ", ".join(f"cluster {c} local rank {lr}" for c, lr in sorted(pending))
+                    who = ", ".join(f"cluster {c}" + (f" (local rank {lr})" if self.local_world > 1 else "")
+                                    for c, lr in sorted(pending))
                     raise RendezvousError(f"DiLoCoX rendezvous: {who} did not present a valid secret within "
                                           f"{self.cfg.timeout_seconds:.0f}s")
                 if not asked:
