@@ -90,8 +90,8 @@ class Runs:
         return Runs(*[torch.cat(c) if c else torch.zeros(0, dtype=torch.int64 if i < 4 else torch.bool)
                       for i, c in enumerate(cols)])
 
-    def numel(self, main_only: bool = False) -> int:
-        return int(self.length[self.main].sum() if main_only else self.length.sum())
+    def numel(self) -> int:
+        return int(self.length.sum())
 
     def clip(self, lo: int, hi: int, main_only: bool) -> torch.Tensor:
         """(R, 4) int64 rows (view, offset in view, offset from ``lo``, length) of the runs' parts in [lo, hi)."""
@@ -250,7 +250,7 @@ class LaneMover:
         return out
 
     def _take(self, parts) -> torch.Tensor:
-        out = self._buffer([(0, 0, int(n)) for _, _, n in parts])
+        out = self._buf[:sum(n for _, _, n in parts)]
         at = 0
         for v, a, n in parts:
             out[at:at + n].copy_(self.views[v].view(-1)[a:a + n])
