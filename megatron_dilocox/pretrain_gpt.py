@@ -200,6 +200,12 @@ def _check_supported(args):
     ) if on]
     if unsupported:
         raise SystemExit(f"megatron_dilocox.pretrain_gpt does not support {unsupported}")
+    if getattr(args, "use_layer_wise_distributed_optimizer", False) and not args.bf16:
+        # megatron-core 0.19.2 hands the layer-wise optimizer's fp32 leaves to the training loop unwrapped: the
+        # first step dies with "'TensorParallelMuon' object has no attribute 'get_loss_scale'"
+        raise SystemExit(f"--optimizer {args.optimizer} with --use-distributed-optimizer (Megatron's layer-wise "
+                         f"distributed optimizer) needs --bf16 in megatron-core 0.19: add --bf16, or drop "
+                         f"--use-distributed-optimizer")
     if _ON_CPU:
         if (args.transformer_impl != "local" or args.distributed_backend != "gloo"
                 or getattr(args, "gradient_accumulation_fusion", False)

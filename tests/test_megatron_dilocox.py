@@ -5,6 +5,7 @@ the authenticated rendezvous; each cluster reads its own shard (``train_c{k}``).
 """
 import json
 import os
+import re
 
 import pytest
 
@@ -266,3 +267,44 @@ def test_evaluation_measures_the_global_model(corpus, tmp_path):
         assert every2.losses == end_only.losses and every2.grad_norms == end_only.grad_norms, name
         key = [(r["round"], r["pseudo_grad_norm"], r["global_model_hash"]) for r in rows2]
         assert len(key) == 2 and key == [(r["round"], r["pseudo_grad_norm"], r["global_model_hash"]) for r in rows8]
+
+
+# Muon inner through Megatron's own --optimizer muon. With --use-distributed-optimizer Megatron steps it with the
+# layer-wise distributed optimizer: each DP rank owns whole matrices (and the Adam part's flat shards) and gathers
+# the others' after a step, so the seam syncs what each rank owns and runs that gather after a round.
+MUON_LAYOUTS = {
+    "tp2_dp2_layer_wise": (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "pp2" else n
+                                  for n in MUON_LAYOUTS])
+def test_muon_inner_optimizer(corpus, tmp_path, name):
+    nproc, extra = MUON_LAYOUTS[name]
+    dl = tiny_dilocox_flags(tmp_path, "--dilocox-no-adaptive-rank")
+    codes, logs = launch(2, nproc, tiny_gpt_flags(corpus, ITERS, "--optimizer", "muon", *extra), dl)
+    assert_ok(codes, logs)
+    rows = assert_clusters_agree(tmp_path, 2, ITERS // 4)  # equal hashes every round on both clusters
+    lay = [{x["rank"]: x for x in (json.loads(line.split("DiLoCoX layout ", 1)[1])
+                                   for line in log.lines if "DiLoCoX layout {" in line)} for log in logs]
+    assert sorted(lay[0]) == list(range(nproc)) and lay[0] == lay[1]
+    for x in lay[0].values():  # Muon really steps the matrices (Adam the rest), and every rank syncs something
+        assert any(i.endswith("Muon") for i in x["inner"]) and any("Adam" in i for i in x["inner"]), x
+        assert sum(x["numel"].values()) > 0
+    if name == "tp2_dp2_layer_wise":  # every parameter in the layer-wise optimizer (Adam's too, in megatron-core 0.19)
+        assert all(set(x["inner"]) == {"Float16OptimizerWithFloat16Params:TensorParallelMuon",
+                                       "Float16OptimizerWithFloat16Params:AdamW"} for x in lay[0].values()), lay
+        counts = {int(m.group(1)): int(m.group(2)) for m in (re.search(
+            r"number of parameters on \(tensor, [\w, ]*pipeline\) model parallel rank \((\d+), 0, 0\): (\d+)", line)
+            for line in logs[0].lines) if m}
+        assert sorted(counts) == [0, 1], [line for line in logs[0].lines if "parameters on" in line]
+        for tp in (0, 1):  # a TP rank's two DP ranks (global ranks tp, tp + 2) sync disjoint whole parameters that
+            numel = [sum(lay[0][r]["numel"].values()) for r in (tp, tp + 2)]  # add up to the TP rank's parameters
+            assert min(numel) > 0 and sum(numel) == counts[tp], (tp, numel, counts)
+    for c in range(2):
+        for r in rows[c]:  # bytes per round per cluster: the ranks' closed forms summed
+            assert r["bytes_sent"] == sum(x["round_bytes"] for x in lay[c].values()), (c, r["round"])
+            assert r["bytes_dense_fp32"] == 4 * sum(sum(x["numel"].values()) for x in lay[c].values())
+    for log in logs:
+        assert_loss_falls(log, 1.0)

@@ -36,7 +36,7 @@ import torch
 
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 from megatron_dilocox.glue import lanes
-from megatron_dilocox.glue.param_views import leaf_optimizers, _owned_pairs
+from megatron_dilocox.glue.param_views import leaf_optimizers, shards_over_dp, _owned_pairs
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.clock import RunClock
 from megatron_dilocox.outer.auto import make_sync
@@ -107,7 +107,7 @@ def build_layout(model_chunks, inner) -> Layout:
     starts = [s for s, _, _ in spans]
     pieces = []  # (param index, unit, parameter offsets, in-unit offsets, lengths, main replica)
     leaves = [leaf for leaf in leaf_optimizers(inner) if not getattr(leaf, "is_stub_optimizer", False)]
-    distributed = any(hasattr(leaf, "shard_fp32_from_float16_groups") for leaf in leaves)
+    distributed = shards_over_dp(inner)  # (the DP component of a replica id then names no copy)
     for st in _sharded_tensors(model_chunks):
         ptr = st.data.data_ptr()
         k = bisect.bisect_right(starts, ptr) - 1

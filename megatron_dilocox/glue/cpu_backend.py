@@ -193,6 +193,24 @@ def skip_dataset_helper_compile():
     _HELPERS_PATCHED = True
 
 
+def _uneven_all_gather(original):
+    """gloo's all_gather wants every rank's tensor the same size; NCCL's does not, and Megatron's layer-wise
+    distributed optimizer (Muon with --use-distributed-optimizer) gathers each rank's own parameters, of
+    different sizes. Calls gloo would refuse are padded to the largest size; every other call is unchanged."""
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = {t.numel() for t in tensor_list} | {tensor.numel()}
+        if len(sizes) == 1 or async_op:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        n = max(sizes)
+        padded = [torch.empty(n, dtype=tensor.dtype) for _ in tensor_list]
+        src = torch.zeros(n, dtype=tensor.dtype)
+        src[:tensor.numel()] = tensor.reshape(-1)
+        original(padded, src, group=group)
+        for out, got in zip(tensor_list, padded):
+            out.view(-1).copy_(got[:out.numel()])
+    return all_gather
+
+
 def activate(skip_jit_warmup=True):
     """Make real Megatron run on CPU with gloo. No-op returning False when CUDA is available.
 
@@ -276,6 +294,9 @@ def activate(skip_jit_warmup=True):
     # Optional: the JIT warm-up only compiles fused kernels we do not use on CPU.
     if skip_jit_warmup:
         mt_training.set_jit_fusion_options = lambda *a, **k: None
+
+    # 17: uneven all-gathers (Muon's layer-wise distributed optimizer), which gloo refuses.
+    torch.distributed.all_gather = _uneven_all_gather(torch.distributed.all_gather)
 
     # 7: the remaining device="cuda" literals.
     _MODE = _CudaToCpuMode()

@@ -39,8 +39,35 @@ def row_aligned_views(flat: torch.Tensor, shape: torch.Size, start: int, end: in
 
 
 def leaf_optimizers(optimizer) -> list:
-    """The MegatronOptimizers inside a (possibly chained) optimizer."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    """The MegatronOptimizers inside a (possibly nested) chained optimizer: Muon's layer-wise distributed
+    optimizer is itself a chain, inside the chain that adds the Adam-managed parameters."""
+    children = getattr(optimizer, "chained_optimizers", None)
+    if not children:
+        return [optimizer]
+    return [leaf for child in children for leaf in leaf_optimizers(child)]
+
+
+def layer_wise_optimizers(optimizer) -> list:
+    """Megatron's ``LayerWiseDistributedOptimizer``s inside ``optimizer`` (Muon with --use-distributed-optimizer):
+    each DP rank steps whole parameters of its own, which the layer-wise optimizer all-gathers after a step."""
+    if hasattr(optimizer, "dp_cp_params_list"):
+        return [optimizer]
+    return [lw for child in getattr(optimizer, "chained_optimizers", None) or [] for lw in layer_wise_optimizers(child)]
+
+
+def inner_optimizers(optimizer) -> list[str]:
+    """"Wrapper:torch optimizer" for each leaf that steps parameters here (logged with the layout: which inner
+    optimizer really runs, e.g. Muon under the layer-wise distributed optimizer beside Adam's shards)."""
+    return [f"{type(leaf).__name__ if hasattr(leaf, 'optimizer') else '-'}:{type(getattr(leaf, 'optimizer', leaf)).__name__}"
+            for leaf in leaf_optimizers(optimizer) if not getattr(leaf, "is_stub_optimizer", False)]
+
+
+def shards_over_dp(optimizer) -> bool:
+    """Whether each DP rank steps its own part of the parameters (the distributed optimizer's flat shards, or the
+    layer-wise optimizer's whole parameters at DP > 1) rather than a full replica."""
+    return (any(hasattr(leaf, "shard_fp32_from_float16_groups") for leaf in leaf_optimizers(optimizer))
+            or any(lw.dp_cp_params_list is not None or lw.expt_dp_params_list is not None
+                   for lw in layer_wise_optimizers(optimizer)))
 
 
 def _owned_pairs(leaf) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:
@@ -59,8 +86,8 @@ def _owned_pairs(leaf) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:
         for group in leaf.fp32_from_fp32_groups:
             for p in group:
                 yield p, p, 0, p.numel()
-    else:  # FP32Optimizer: the model params are the main params
-        for group in leaf.optimizer.param_groups:
+    else:  # FP32Optimizer, or a bare torch optimizer (Muon's fp32 layer-wise leaves): model params are main params
+        for group in getattr(leaf, "optimizer", leaf).param_groups:
             for p in group["params"]:
                 yield p, p, 0, p.numel()
 

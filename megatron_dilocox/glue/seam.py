@@ -7,7 +7,9 @@ hook changed them (a round boundary) the model params are refreshed from the mai
 distributed optimizer the param all-gather runs again (with ``--overlap-param-gather`` the next forward's
 gather picks the new values up by itself). Everything else is delegated to the inner optimizer.
 
-Ownership: with the distributed optimizer each DP rank syncs its own shards. Without it every DP rank
+Ownership: with the distributed optimizer each DP rank syncs its own shards; with Muon's layer-wise distributed
+optimizer (``--optimizer muon --use-distributed-optimizer``) its own whole matrices and the Adam part's shards,
+and the layer-wise optimizer's gather runs after a round too. Without either every DP rank
 holds the full replica, so parameter views are dealt round-robin over the DP ranks (each syncs 1/DP of
 them over the slow link) and broadcast inside the DP group after each round.
 
@@ -40,7 +42,8 @@ from megatron_dilocox.compression.layout import split_layout
 from megatron_dilocox.config import PARALLEL_LAYOUT_ARGS, DiLoCoXConfig, DiLoCoXConfigError
 from megatron_dilocox.glue import checkpoints, per_site, run_clock
 from megatron_dilocox.glue.per_site import run_iters
-from megatron_dilocox.glue.param_views import leaf_optimizers, tagged_param_views
+from megatron_dilocox.glue.param_views import (inner_optimizers, layer_wise_optimizers, leaf_optimizers,
+                                               shards_over_dp, tagged_param_views)
 from megatron_dilocox.metrics import MetricsWriter
 from megatron_dilocox.outer.cluster import TorchDistCluster
 from megatron_dilocox.outer.auto import make_sync
@@ -93,12 +96,13 @@ class DiLoCoXOptimizer:
         # each round's weight in the average (--dilocox-token-weights): the samples x tokens this site trains per step
         self.tokens_per_step = float(args.global_batch_size * args.seq_length)
         self.leaves = leaf_optimizers(inner)
+        self.layer_wise = layer_wise_optimizers(inner)
         self._dp_owner: Optional[list[tuple]] = None  # (group, global rank of the owner) per view
         if cfg.exchange_layout == "canonical":
             self._start_canonical(cfg, args, model_chunks)
             return
         tagged = tagged_param_views(inner)
-        if not getattr(args, "use_distributed_optimizer", False) and mpu.get_data_parallel_world_size() > 1:
+        if not shards_over_dp(inner) and mpu.get_data_parallel_world_size() > 1:
             self._dp_owner = _deal_over_replicas([kind for _, kind in tagged])
             self._all_views = [v for v, _ in tagged]
             me = torch.distributed.get_rank()
@@ -156,7 +160,8 @@ class DiLoCoXOptimizer:
         return {"rank": rank, "numel": numel,
                 "lowrank_groups": [[g.rows, g.cols, len(g.members)] for c in codecs for g in c.groups],
                 "whole_numel": sum(c.numels[i] for c in codecs for i in c.whole), "lowrank_rank": codecs[0].rank,
-                "round_bytes": sum(c.round_bytes(c.rank, self.cfg.num_clusters) for c in codecs)}
+                "round_bytes": sum(c.round_bytes(c.rank, self.cfg.num_clusters) for c in codecs),
+                "inner": inner_optimizers(self.inner)}
 
     # ------------------------------------------------------------------------------------ training
     def step(self):
@@ -196,6 +201,13 @@ class DiLoCoXOptimizer:
                 leaf._copy_main_params_to_model_params()
             if distributed and (force_gather or not leaf.ddp_config.overlap_param_gather):
                 chunks += [c for c in leaf.model_chunks if not any(c is d for d in chunks)]
+        for lw in self.layer_wise:  # Muon's layer-wise optimizer: each DP rank's own parameters to the others
+            if lw.dp_cp_params_list is None and lw.expt_dp_params_list is None:
+                continue  # DP 1: nothing to gather
+            if lw.use_buffer_param_sync and (force_gather or not lw.overlap_param_gather):
+                chunks += [c for c in lw.model_chunks if not any(c is d for d in chunks)]
+            elif not lw.use_buffer_param_sync:  # (--no-use-layer-wise-param-layout)
+                lw.allgather_params()
         for chunk in chunks:  # dense and expert buffers alike (DDP's bucket groups of both)
             chunk.start_param_sync(force_sync=True)
 
