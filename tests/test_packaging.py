@@ -148,6 +148,7 @@ def test_dockerfile_pins_agree_with_setup_py():
     assert args["MEGATRON_LM_TAG"] == "core_v" + pins["megatron-core"]
     assert args["SENTENCEPIECE_VERSION"] == pins["sentencepiece"]
     assert args["WANDB_VERSION"] == pins["wandb"]
+    assert args["EMERGING_OPTIMIZERS_VERSION"] == pins["emerging-optimizers"]
     # the base image is the NGC PyTorch container (its torch is checked at build time against TORCH_VERSION)
     assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", args["BASE_IMAGE"]), args["BASE_IMAGE"]
     text = DOCKERFILE.read_text()
