@@ -310,3 +310,30 @@ def test_muon_inner_optimizer(corpus, tmp_path, name):
             assert r["bytes_dense_fp32"] == 4 * sum(sum(x["numel"].values()) for x in lay[c].values())
     for log in logs:
         assert_loss_falls(log, 1.0)
+
+
+@pytest.mark.slow  # (Megatron saves Muon's state itself; CI keeps the resume tests of tests/test_resume.py)
+def test_muon_inner_resumes_exactly(corpus, tmp_path):
+    """Muon inner (a chain of Muon and Adam, one process per cluster): a run stopped by --exit-interval 8 and
+    started again continues bitwise as the uninterrupted run: every later loss, and every later round's hash."""
+    def run(out, *extra):
+        ckpt = f"{out}/ckpt_c{{cluster}}"
+        flags = tiny_gpt_flags(corpus, ITERS, "--optimizer", "muon", "--save", ckpt, "--load", ckpt,
+                               "--save-interval", "8", "--ckpt-format", "torch_dist", *extra)
+        codes, logs = launch(2, 1, flags, tiny_dilocox_flags(out))
+        assert_ok(codes, logs)
+        return logs
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "cut").mkdir()
+    ref = run(tmp_path / "ref")
+    run(tmp_path / "cut", "--exit-interval", "8")
+    again = run(tmp_path / "cut")
+    for c in range(2):
+        assert sorted(again[c].losses) == list(range(9, ITERS + 1))
+        for it in range(9, ITERS + 1):
+            if it != 10:  # (Megatron prints the mean of a process's first two losses at its second iteration)
+                assert again[c].losses[it] == ref[c].losses[it], (c, it)
+        ref_rows = read_rows(f"{tmp_path}/ref/metrics_c{c}.jsonl")
+        cut_rows = read_rows(f"{tmp_path}/cut/metrics_c{c}.jsonl")
+        assert [r["round"] for r in cut_rows] == [r["round"] for r in ref_rows] == [1, 2, 3, 4]
+        assert [r["global_model_hash"] for r in cut_rows] == [r["global_model_hash"] for r in ref_rows]
