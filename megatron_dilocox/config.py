@@ -37,6 +37,9 @@ OUTER_LR_WARMUP_FRACTION = 0.2
 # (DiLoCoXConfig.resolved_outer_lr)
 OUTER_LR = 1.0
 OUTER_LR_FRAGMENTS = 1.3
+# default --dilocox-outer-momentum by the number of sites: (sites, momentum) where it was measured, linear between,
+# flat outside (DiLoCoXConfig.resolved_outer_momentum; docs/convergence.md#many-sites)
+OUTER_MOMENTUM_BY_SITES = ((2, 0.3), (4, 0.5))
 
 
 class DiLoCoXConfigError(ValueError):
@@ -129,8 +132,8 @@ class DiLoCoXConfig:
                                                       "--dilocox-outer-lr (a round launched at iteration i steps at "
                                                       "lr x min(1, i / N)); default: a fifth of --train-iters, at "
                                                       "most 200 (200 when the run length is unknown); 0: none")
-    outer_momentum: Optional[float] = knob(None, "outer momentum (default 0.3, every overlap mode and H; "
-                                                 "docs/convergence.md)")
+    outer_momentum: Optional[float] = knob(None, "outer momentum (default by the number of sites: 0.3 up to "
+                                                 "2, 0.5 from 4, linear between; docs/convergence.md#many-sites)")
     outer_nesterov: bool = knob(True, "Nesterov momentum for the outer step")
     outer_state_device: str = knob("cpu", "where anchor, momentum and round start live: cpu or param "
                                           "(beside the parameters)")
@@ -242,14 +245,16 @@ class DiLoCoXConfig:
 
     @property
     def resolved_outer_momentum(self) -> float:
-        """0.3, in every overlap mode and at every H. DiLoCo's 0.9 (tuned at H=500 over 88k steps) failed to train
-        at H=10 on the Python docs over 1000 Megatron iterations (validation 5.995 vs AllReduce 4.375). Between
-        0.3 and 0.5 the better value follows the corpus, not H or the overlap: synchronous DiLoCo at 0.5 is 1.1-1.2%
-        better on the KJV (H=10, 50) and 4.8% worse on the docs at H=10 (4.771 vs 4.540); 0.3 is never far from
-        the best (docs/convergence.md)."""
+        """By the number of sites C the run is configured with (so a lost or rejoining site changes nothing):
+        0.3 up to two sites, 0.5 from four, linear between. At two sites 0.3 in every overlap mode and at every
+        H (DiLoCo's 0.9 failed to train at H = 10 on the Python docs; 0.5 was better on the KJV and worse on the
+        docs); at four sites 0.5 was better than 0.3 on both corpora with Adam and with Muon as the inner
+        optimizer (the measured figures: docs/convergence.md#many-sites)."""
         if self.outer_momentum is not None:
             return self.outer_momentum
-        return 0.3
+        (c_lo, m_lo), (c_hi, m_hi) = OUTER_MOMENTUM_BY_SITES
+        sites = min(max(self.num_clusters, c_lo), c_hi)
+        return m_lo + (m_hi - m_lo) * (sites - c_lo) / (c_hi - c_lo)
 
     @property
     def resolved_local_weight(self) -> float:

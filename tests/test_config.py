@@ -64,10 +64,15 @@ def test_defaults_and_resolved_bounds():
     assert (cfg.resolved_h_min, cfg.h, cfg.resolved_h_max) == (50, 50, 1000)
     assert (cfg.resolved_rank_min, cfg.lowrank_rank, cfg.resolved_rank_max) == (1, 16, 64)
     assert cfg.overlap == "eager" and cfg.quant_bits == 4
-    # outer momentum: 0.3 in every overlap mode (docs/convergence.md), unless given
+    # outer momentum: by the configured number of sites (0.3 up to 2, 0.5 from 4, linear between), in every overlap
+    # mode (docs/convergence.md#many-sites), unless given
     assert cfg.resolved_outer_momentum == 0.3
     assert DiLoCoXConfig(overlap="one-step-delay").resolved_outer_momentum == 0.3
     assert DiLoCoXConfig(overlap="none").resolved_outer_momentum == 0.3
+    sites = {c: DiLoCoXConfig(num_clusters=c, rendezvous="h:1", secret="s").resolved_outer_momentum
+             for c in (2, 3, 4, 8, 16)}
+    assert sites == {2: 0.3, 3: pytest.approx(0.4), 4: 0.5, 8: 0.5, 16: 0.5}, sites
+    assert DiLoCoXConfig(num_clusters=8, rendezvous="h:1", secret="s", outer_momentum=0.3).resolved_outer_momentum == 0.3
     # eager's weight of the fresh-minus-stale local term: halfway between the paper's 1/C and 1
     assert DiLoCoXConfig(num_clusters=2, rendezvous="h:1", secret="s").resolved_local_weight == 0.75
     assert DiLoCoXConfig(overlap="one-step-delay").resolved_local_weight == 1.0
