@@ -24,7 +24,8 @@ EXCHANGE_SCHEMES = ("auto", "all-gather", "reduce-scatter")
 # fingerprint leaves them out then; the rendezvous names the flag when only they differ)
 PARALLEL_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                         "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-                        "expert_tensor_parallel_size", "data_parallel_size", "use_distributed_optimizer")
+                        "expert_tensor_parallel_size", "data_parallel_size", "use_distributed_optimizer",
+                        "use_layer_wise_distributed_optimizer")
 SECRET_ENV = "DILOCOX_SECRET"
 # default --dilocox-h-max = this x --dilocox-h. Adaptive H may lengthen rounds this far; the link budget does so
 # to send them whole rather than cut the rank (outer/plan.py). On the ratio-325 link the main job's whole int4

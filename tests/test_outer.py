@@ -1,4 +1,5 @@
 """Outer optimizer and the round logic in one process (C=1): reductions to plain training, resume."""
+import dataclasses
 import math
 import time
 
@@ -88,6 +89,29 @@ def test_state_dict_from_before_a_knob_existed_loads_when_the_knob_is_at_its_def
     warm = DiLoCoXSync([p.data for p in model.parameters()], DiLoCoXConfig(h=4, outer_lr_warmup_iters=5)).start()
     with pytest.raises(ValueError, match=r"different settings: \['outer_lr_warmup_iters'\]"):
         warm.load_state_dict(old)
+
+
+def test_state_dict_from_when_the_outer_momentum_was_0_3_at_any_number_of_sites():
+    """Before 2026-12-07 the default outer momentum was 0.3 whatever the number of sites, and a checkpoint saved it
+    as None: it resumes where the default still means 0.3 (two sites), and at four sites stops naming the momentum
+    it ran with; a checkpoint that saved the resolved momentum resumes at four sites with the default."""
+    model = make_model(0)
+    params = [p.data for p in model.parameters()]
+    old = DiLoCoXSync(params, DiLoCoXConfig(h=4)).start().state_dict()
+    assert old["outer_momentum"] == 0.3 and old["config"]["outer_momentum"] is None
+    del old["outer_momentum"]  # (written before the resolved momentum was saved)
+    DiLoCoXSync(params, DiLoCoXConfig(h=4)).start().load_state_dict(old)
+
+    def at_four(**kw):  # (a one-process sync that resolves its defaults as a site of four would)
+        sync = DiLoCoXSync(params, DiLoCoXConfig(h=4, **kw)).start()
+        sync.cfg = dataclasses.replace(sync.cfg, num_clusters=4, rendezvous="h:1", secret="s")
+        return sync
+    old4 = dict(old, config=dict(old["config"], num_clusters=4))
+    with pytest.raises(ValueError, match=r"different settings: \['outer_momentum'\]; to resume it, run with the "
+                                         r"saved ones: --dilocox-outer-momentum 0.3 "):
+        at_four().load_state_dict(old4)
+    at_four(outer_momentum=0.3).load_state_dict(old4)
+    at_four().load_state_dict(dict(old4, outer_momentum=0.5))
 
 
 def test_state_dict_from_when_the_outer_lr_default_was_a_number_loads_where_it_resolves_the_same():

@@ -282,6 +282,16 @@ def test_legacy_torch_checkpoints_with_data_parallelism_are_refused():
         assert str(err.value) == message
     for kw in (dict(data_parallel_size=1), dict(ckpt_format="torch_dist"), dict(save=None)):
         ck.check_args(args(**kw))
+    # Muon's layer-wise distributed optimizer (even at DP 1): Megatron saves and loads its state through the
+    # optimizer's own files in the torch format, past the DiLoCoX state
+    muon = dict(data_parallel_size=1, use_layer_wise_distributed_optimizer=True, optimizer="muon")
+    with pytest.raises(DiLoCoXConfigError) as err:
+        ck.check_args(args(**muon))
+    assert str(err.value) == (
+        "--ckpt-format torch: not supported with --dilocox and --optimizer muon --use-distributed-optimizer; Megatron "
+        "saves and loads that (layer-wise) optimizer's state through its own files, past the DiLoCoX state; use "
+        "--ckpt-format torch_dist")
+    ck.check_args(args(**muon, ckpt_format="torch_dist"))
 
 
 # ----------------------------------------------------------------------------------------------- the launcher

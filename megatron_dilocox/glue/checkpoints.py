@@ -284,6 +284,12 @@ def check_args(args):
             "the optimizer state, where each rank's DiLoCoX state rides, from DP rank 0 only and every DP rank "
             "loads that one, so the other ranks would resume with rank 0's DiLoCoX state; use --ckpt-format "
             "torch_dist (one DiLoCoX state object per rank)")
+    if getattr(args, "ckpt_format", None) == "torch" and getattr(args, "use_layer_wise_distributed_optimizer", False) \
+            and (getattr(args, "save", None) or getattr(args, "load", None)):
+        raise DiLoCoXConfigError(
+            f"--ckpt-format torch: not supported with --dilocox and --optimizer {args.optimizer} "
+            "--use-distributed-optimizer; Megatron saves and loads that (layer-wise) optimizer's state through its "
+            "own files, past the DiLoCoX state; use --ckpt-format torch_dist")
 
 
 def install(args):

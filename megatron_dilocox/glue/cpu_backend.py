@@ -11,6 +11,7 @@ megatron-core wheel ships the prebuilt dataset helper extension but no Makefile.
 """
 
 import contextlib
+import functools
 import logging
 import os
 
@@ -193,13 +194,25 @@ def skip_dataset_helper_compile():
     _HELPERS_PATCHED = True
 
 
+class _DoneWork:
+    """The handle of a collective that has already finished (what an async call returns once done)."""
+
+    def wait(self, *a, **k):
+        return True
+
+    def is_completed(self):
+        return True
+
+
 def _uneven_all_gather(original):
     """gloo's all_gather wants every rank's tensor the same size; NCCL's does not, and Megatron's layer-wise
     distributed optimizer (Muon with --use-distributed-optimizer) gathers each rank's own parameters, of
-    different sizes. Calls gloo would refuse are padded to the largest size; every other call is unchanged."""
+    different sizes (asynchronously from the forward hooks with --overlap-param-gather). Such calls are padded to
+    the largest size and run at once (an async one returns a finished handle); every other call is unchanged."""
+    @functools.wraps(original)
     def all_gather(tensor_list, tensor, group=None, async_op=False):
         sizes = {t.numel() for t in tensor_list} | {tensor.numel()}
-        if len(sizes) == 1 or async_op:
+        if len(sizes) == 1:
             return original(tensor_list, tensor, group=group, async_op=async_op)
         n = max(sizes)
         padded = [torch.empty(n, dtype=tensor.dtype) for _ in tensor_list]
@@ -207,7 +220,8 @@ def _uneven_all_gather(original):
         src[:tensor.numel()] = tensor.reshape(-1)
         original(padded, src, group=group)
         for out, got in zip(tensor_list, padded):
-            out.view(-1).copy_(got[:out.numel()])
+            out.copy_(got[:out.numel()].view(out.shape))
+        return _DoneWork() if async_op else None
     return all_gather
 
 

@@ -8,8 +8,8 @@ distributed optimizer the param all-gather runs again (with ``--overlap-param-ga
 gather picks the new values up by itself). Everything else is delegated to the inner optimizer.
 
 Ownership: with the distributed optimizer each DP rank syncs its own shards; with Muon's layer-wise distributed
-optimizer (``--optimizer muon --use-distributed-optimizer``) its own whole matrices and the Adam part's shards,
-and the layer-wise optimizer's gather runs after a round too. Without either every DP rank
+optimizer (``--optimizer muon --use-distributed-optimizer``) the whole parameters it steps, and the layer-wise
+optimizer's gather runs after a round too. Without either every DP rank
 holds the full replica, so parameter views are dealt round-robin over the DP ranks (each syncs 1/DP of
 them over the slow link) and broadcast inside the DP group after each round.
 
@@ -63,7 +63,8 @@ def fingerprint(cfg: DiLoCoXConfig, args, views, canonical=None) -> dict:
     import megatron_dilocox
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
             "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-            "data_parallel_size", "use_distributed_optimizer", "num_layers", "hidden_size", "ffn_hidden_size",
+            "data_parallel_size", "use_distributed_optimizer", "use_layer_wise_distributed_optimizer",
+            "num_layers", "hidden_size", "ffn_hidden_size",
             "num_attention_heads", "num_query_groups", "swiglu", "normalization",
             "untie_embeddings_and_output_weights", "add_bias_linear", "num_experts", "moe_ffn_hidden_size",
             "moe_router_topk", "moe_layer_freq", "seq_length", "padded_vocab_size", "seed", "params_dtype",

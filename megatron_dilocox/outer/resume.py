@@ -27,7 +27,7 @@ def save(sync) -> dict:
         sync._in_flight = None
     done = sync._done
     return {
-        "config": sync.cfg.agreement_dict(),
+        "config": sync.cfg.agreement_dict(), "outer_momentum": sync.cfg.resolved_outer_momentum,
         "round": sync.round, "steps_in_round": sync.steps_in_round, "iteration": sync.iteration,
         "round_tokens": sync.round_tokens, "launched_tokens": sync._launched_tokens,
         "round_steps": sync.round_steps, "launched_steps": sync._launched_steps,
@@ -59,6 +59,10 @@ def load(sync, state: dict):
     theirs = {**{k: f.default for k, f in _FIELDS.items() if k in mine}, **saved}
     if mine.get("outer_lr") is None and theirs.get("outer_lr") == sync.cfg.resolved_outer_lr:
         theirs["outer_lr"] = None  # written when the default was a number (1.0, before 2026-12-05): the same lr
+    if theirs.get("outer_momentum") is None:  # the default then: as resolved (0.3 at any C before 2026-12-07)
+        theirs["outer_momentum"] = (state if "config" in state else state["fragments"][0]).get("outer_momentum", 0.3)
+    if mine.get("outer_momentum") is None and theirs["outer_momentum"] == sync.cfg.resolved_outer_momentum:
+        theirs["outer_momentum"] = None  # (the default now resolves to the same momentum)
     diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if diff:
         raise ValueError(f"DiLoCoX checkpoint was written with different settings: {diff}; to resume it, run "

@@ -122,7 +122,7 @@ class Setup:
     lowrank: bool = True
     lowrank_basis: str = "local"  # or "shared" (PowerSGD: two payload phases, fp32 factors all-reduced)
     overlap: str = "eager"  # or "one-step-delay" (both overlapped) or "none"
-    outer_momentum: float = 0.3  # the package's default under overlap (DiLoCoXConfig.resolved_outer_momentum)
+    outer_momentum: float = 0.3  # (only whether it is > 0 matters here: a momentum buffer; the default is > 0 at any C)
     outer_state_device: str = "cpu"  # or "param"
     allreduce_bits: int = 32  # gradient dtype of the AllReduce baseline (32 or 16)
     scheme: str = "auto"  # summable payloads: "all-gather", "reduce-scatter" or auto (codec.scheme_at)
