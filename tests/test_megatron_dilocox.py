@@ -274,7 +274,7 @@ def test_evaluation_measures_the_global_model(corpus, tmp_path):
 # Muon inner through Megatron's own --optimizer muon. With --use-distributed-optimizer Megatron steps it with the
 # layer-wise distributed optimizer: each DP rank owns whole parameters (under this entry's model builder Adam's
 # part too) and gathers the others' after a step (from the forward hooks with --overlap-param-gather), so the seam
-# syncs what each rank owns and runs that gather after a round.
+# syncs what each rank owns and runs that gather itself after a round.
 MUON_LAYOUTS = {
     "tp2_dp2_layer_wise": (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
                                "--overlap-grad-reduce", "--overlap-param-gather"]),

@@ -207,13 +207,17 @@ class _DoneWork:
 def _uneven_all_gather(original):
     """gloo's all_gather wants every rank's tensor the same size; NCCL's does not, and Megatron's layer-wise
     distributed optimizer (Muon with --use-distributed-optimizer) gathers each rank's own parameters, of
-    different sizes (asynchronously from the forward hooks with --overlap-param-gather). Such calls are padded to
-    the largest size and run at once (an async one returns a finished handle); every other call is unchanged."""
+    different sizes (asynchronously from the forward hooks with --overlap-param-gather). Uneven calls are padded to
+    the largest size. Every async call runs at once and returns a finished handle: Megatron waits only on the last
+    handle of a layer-wise gather (NCCL finishes in order; gloo's two worker threads need not), so an earlier
+    bucket's gather left running could still be writing when the parameters are read. Synchronous even calls are
+    unchanged."""
     @functools.wraps(original)
     def all_gather(tensor_list, tensor, group=None, async_op=False):
         sizes = {t.numel() for t in tensor_list} | {tensor.numel()}
         if len(sizes) == 1:
-            return original(tensor_list, tensor, group=group, async_op=async_op)
+            original(tensor_list, tensor, group=group, async_op=False)
+            return _DoneWork() if async_op else None
         n = max(sizes)
         padded = [torch.empty(n, dtype=tensor.dtype) for _ in tensor_list]
         src = torch.zeros(n, dtype=tensor.dtype)

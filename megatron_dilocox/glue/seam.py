@@ -75,6 +75,7 @@ def fingerprint(cfg: DiLoCoXConfig, args, views, canonical=None) -> dict:
     # short hash of whatever git checkout holds the installed package (a venv inside a repository gets that
     # repository's HEAD), which says nothing about Megatron's code.
     fp.update(dilocox=cfg.agreement_dict(), outer_lr_warmup_iters=cfg.resolved_outer_lr_warmup_iters(run_iters(args)),
+              outer_momentum=cfg.resolved_outer_momentum,  # (as resolved: a site of an older release resolves 0.3)
               megatron_core=megatron.core.__version__.split("+")[0], megatron_dilocox=megatron_dilocox.__version__)
     fp[PLATFORM] = platform_of(views[0].device if views else torch.device("cpu"))  # (logged, not compared)
     if canonical is None:

@@ -13,7 +13,7 @@ iteration:
   diloco       --dilocox-overlap none, no compression (DiLoCo)
   diloco_comp  --dilocox-overlap none + the main job's compression (rank 6, int4)
   delay        --dilocox-overlap one-step-delay, no compression
-  dilocox      the product's defaults (one-step delay, adaptive rank) + the main job's compression
+  dilocox      the product's defaults (eager; the outer momentum by the number of sites) + the main job's compression
   int4_rs      the product's defaults, matrices whole in int4 (no low rank), reduce-scatter exchange
   int4_ag      the same, all-gather exchange (int4_rs vs int4_ag: what the owners' requantization costs)
   isolated     C clusters x global batch 8, no DiLoCoX at all: each trains alone on its shard (the mean of
