@@ -249,8 +249,8 @@ class DiLoCoXConfig:
         """By the number of sites C the run is configured with (so a lost or rejoining site changes nothing):
         0.3 up to two sites, 0.5 from four, linear between. At two sites 0.3 in every overlap mode and at every
         H (DiLoCo's 0.9 failed to train at H = 10 on the Python docs; 0.5 was better on the KJV and worse on the
-        docs); at four sites 0.5 was better than 0.3 on both corpora with Adam and with Muon as the inner
-        optimizer (the measured figures: docs/convergence.md#many-sites)."""
+        docs); at four sites 0.5 was better than 0.3 on both corpora with Adam, and on the KJV with Muon as the
+        inner optimizer (the measured figures: docs/convergence.md#many-sites)."""
         if self.outer_momentum is not None:
             return self.outer_momentum
         (c_lo, m_lo), (c_hi, m_hi) = OUTER_MOMENTUM_BY_SITES
