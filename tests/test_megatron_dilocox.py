@@ -80,6 +80,8 @@ def test_two_clusters_tp1_pp2(corpus, tmp_path):
         assert 0 < r["bytes_sent"] < r["bytes_dense_fp32"] / 10
 
 
+@pytest.mark.slow  # CI: flat distributed-optimizer shards over DP in tests/test_moe.py's moe and dense_107b references
+# (equal hashes, closed-form bytes), TP2 x DP2 in the Muon test below
 def test_two_clusters_tp2_dp2_distributed_optimizer(corpus, tmp_path):
     """Flat distributed-optimizer shards, compressed per parameter view (row-aligned matrices)."""
     codes, logs = launch(2, 4, tiny_gpt_flags(corpus, ITERS, "--tensor-model-parallel-size", "2",
