@@ -58,8 +58,9 @@ def layer_wise_optimizers(optimizer) -> list:
 def inner_optimizers(optimizer) -> list[str]:
     """"Wrapper:torch optimizer" for each leaf that steps parameters here (logged with the layout: which inner
     optimizer really runs, e.g. Muon under the layer-wise distributed optimizer beside Adam's shards)."""
-    return [f"{type(leaf).__name__ if hasattr(leaf, 'optimizer') else '-'}:{type(getattr(leaf, 'optimizer', leaf)).__name__}"
-            for leaf in leaf_optimizers(optimizer) if not getattr(leaf, "is_stub_optimizer", False)]
+    leaves = [leaf for leaf in leaf_optimizers(optimizer) if not getattr(leaf, "is_stub_optimizer", False)]
+    return [f"{type(leaf).__name__ if hasattr(leaf, 'optimizer') else '-'}:"
+            f"{type(getattr(leaf, 'optimizer', leaf)).__name__}" for leaf in leaves]
 
 
 def shards_over_dp(optimizer) -> bool:

@@ -61,12 +61,8 @@ def fingerprint(cfg: DiLoCoXConfig, args, views, canonical=None) -> dict:
     import megatron.core
 
     import megatron_dilocox
-    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-            "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-            "data_parallel_size", "use_distributed_optimizer", "use_layer_wise_distributed_optimizer",
-            "num_layers", "hidden_size", "ffn_hidden_size",
-            "num_attention_heads", "num_query_groups", "swiglu", "normalization",
-            "untie_embeddings_and_output_weights", "add_bias_linear", "num_experts", "moe_ffn_hidden_size",
+    keys = (*PARALLEL_LAYOUT_ARGS, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+            "num_query_groups", "swiglu", "normalization", "untie_embeddings_and_output_weights", "add_bias_linear", "num_experts", "moe_ffn_hidden_size",
             "moe_router_topk", "moe_layer_freq", "seq_length", "padded_vocab_size", "seed", "params_dtype",
             "optimizer")
     fp = {k: str(getattr(args, k, None)) for k in keys if canonical is None or k not in PARALLEL_LAYOUT_ARGS}
