@@ -166,6 +166,11 @@ class DiLoCoXConfig:
                                    "(1 = classic error feedback; < 1 forgets old residual)")
     quant_bits: int = knob(4, "bits per transmitted value: 1 (sign x block mean |x|), 4, 8, 16 (bf16) or 32 (no quantization)")
     quant_block_size: int = knob(128, "values per quantization block (one fp32 scale each)")
+    sparse_k: int = knob(0, "sparse exchange: every chunk of --dilocox-sparse-chunk values of a tensor sends its k "
+                            "largest entries (of δ + e) with one sign bit each and 4 magnitudes per chunk, all-gathered; "
+                            "replaces low rank and --dilocox-quant-bits; 0: off (docs/algorithm.md#sparse-exchange)")
+    sparse_chunk: int = knob(4096, "values per chunk of the sparse exchange (at most 32768; a tensor's last chunk "
+                                   "is shorter)")
     seed: int = knob(1234, "seed shared by all clusters (warm-start Q)")
     exchange_scheme: str = knob("auto", "how summable payloads travel between clusters: reduce-scatter then "
                                         "all-gather of quantized chunks (each cluster sends about 2(C-1)/C of its "
@@ -375,6 +380,15 @@ class DiLoCoXConfig:
         if self.quant_bits == 4 and self.quant_block_size % 2:
             fail("quant_block_size", f"must be even with 4-bit quantization, got {self.quant_block_size}")
         need_int("seed", 0)
+        need_int("sparse_k", 0)
+        if self.sparse_k:
+            need_int("sparse_chunk", 2)
+            if not self.sparse_k <= self.sparse_chunk <= 32768:
+                fail("sparse_chunk", f"must lie within [--dilocox-sparse-k, 32768] = [{self.sparse_k}, 32768], "
+                                     f"got {self.sparse_chunk}")
+            if self.exchange_scheme == "reduce-scatter":
+                fail("exchange_scheme", "reduce-scatter sums payloads on the way, and sparse payloads (each site's "
+                                        "own indices) cannot be summed: leave it auto, or drop --dilocox-sparse-k")
         if self.per_site_h:
             if not self.adaptive_h:
                 fail("per_site_h", "needs --dilocox-adaptive-h (per-site H follows the measured step times)")
@@ -398,7 +412,7 @@ class DiLoCoXConfig:
 
     @property
     def compresses(self) -> bool:
-        return self.lowrank or self.quant_bits != 32
+        return self.lowrank or self.quant_bits != 32 or self.sparse_k > 0
 
     def public_dict(self) -> dict:
         """Every knob except the secret: safe for logs, checkpoints and wandb config."""

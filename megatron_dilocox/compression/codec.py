@@ -58,6 +58,7 @@ from megatron_dilocox.compression.local_basis import LocalBasisExchange
 from megatron_dilocox.compression.norms import EXACT_IN_FP32 as _EXACT_IN_FP32, finite as _finite, sumsq as _sumsq
 from megatron_dilocox.compression.quantize import bytes_as, payload_bytes
 from megatron_dilocox.compression.scatter import sent_bytes
+from megatron_dilocox.compression.sparse import SparseExchange, SparsePlan
 from megatron_dilocox.config import DiLoCoXConfig
 
 MAGIC = 0x44694C6F  # "DiLo"
@@ -105,7 +106,7 @@ class ExchangeResult:
     repair: Optional[list] = None  # (this cluster, when repaired) the reference's φ and momentum, flat
 
 
-class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
+class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
     def __init__(self, shapes: Sequence[torch.Size], config: DiLoCoXConfig, device="cpu"):
         self.cfg = config
         self.shapes = [torch.Size(s) for s in shapes]
@@ -113,6 +114,8 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
         self.device = torch.device(device)
         self.rank = config.lowrank_rank
         self.groups, self.whole = split_layout(self.shapes, config)
+        if config.sparse_k:  # (every tensor whole, in one flat slab: split_layout leaves no low-rank group)
+            self.sparse = SparsePlan(self.numels, config.sparse_k, config.sparse_chunk)
         # slabs: groups in order, then (if any) the whole tensors concatenated
         slab_shapes = [(len(g.members), g.rows, g.cols) for g in self.groups]
         slab_shapes += [(sum(self.numels[i] for i in self.whole),)] if self.whole else []
@@ -131,12 +134,15 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
     def _layout_hash(self) -> int:
         text = repr((self.shapes, self.cfg.lowrank, self.cfg.lowrank_min_dim, self.cfg.quant_bits,
                      self.cfg.quant_block_size)  # the shared basis keeps the hash it had before bases existed
-                    + ((self.cfg.lowrank_basis,) if self.cfg.lowrank_basis != "shared" else ()))
+                    + ((self.cfg.lowrank_basis,) if self.cfg.lowrank_basis != "shared" else ())
+                    + (("sparse", self.cfg.sparse_k, self.cfg.sparse_chunk) if self.cfg.sparse_k else ()))
         return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)  # 48 bits: exact in float64
 
     def payload_sizes(self, rank: Optional[int] = None) -> tuple[int, int]:
         """Bytes this rank contributes to phase 1 and phase 2 at ``rank`` (closed form; rank 0: every matrix
-        sent whole, in phase 1)."""
+        sent whole, in phase 1; under --dilocox-sparse-k the sparse payload, whatever the rank)."""
+        if self.sparse is not None:
+            return self.sparse.payload_bytes, 0
         r = self.rank if rank is None else rank
         bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
         whole = sum(self.numels[i] for i in self.whole)
@@ -156,7 +162,7 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
         return self._one_phase_at(self.rank)
 
     def _one_phase_at(self, rank: int) -> bool:
-        return bool(self.groups) and self.cfg.lowrank_basis == "local" and rank != 0
+        return self.sparse is not None or (bool(self.groups) and self.cfg.lowrank_basis == "local" and rank != 0)
 
     def round_bytes(self, rank: int, clusters: int, member: Optional[int] = None) -> int:
         """Bytes this rank sends in one round at ``rank`` (closed form: the header, then the payload messages by
@@ -310,6 +316,9 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
             return finish(f"refused: non-finite pseudo-gradient from cluster(s) {bad}")
 
         G = len(self.groups) if self.rank else 0  # rank 0: the matrices travel whole, like the small tensors
+        if self.sparse is not None:
+            refused, out, e_sq = self._exchange_sparse(M, coll, result)
+            return finish(refused) if refused else self._commit(M, out, e_sq, m_sq, result, finish)
         if self.one_phase:
             refused, out, e_sq = self._exchange_local(M, m_sq, coll, result)
             if refused:
@@ -371,7 +380,8 @@ class PseudoGradientCodec(LocalBasisExchange, ClusterAverage):
                     what = {"magic": "is not a DiLoCoX peer (bad magic)",
                             "round": f"is at round {int(h[k])}, this cluster (#{my_rank}) at {int(mine[k])}",
                             "layout": "has a different parameter layout or compression settings "
-                                      "(shapes, --dilocox-quant-bits/-block-size, --dilocox-lowrank*)",
+                                      "(shapes, --dilocox-quant-bits/-block-size, --dilocox-lowrank*, "
+                                      "--dilocox-sparse-*)",
                             "rank": f"uses low-rank rank {int(h[k])}, this cluster (#{my_rank}) {int(mine[k])}"}[name]
                     raise PayloadError(f"refused payload: cluster {c} {what}; nothing was applied")
             if not (math.isfinite(float(h[8])) and float(h[8]) > 0):

@@ -1,7 +1,7 @@
 """How a model's tensors map onto the codec's slabs, and when a slab's memory may be reused.
 
 Same-shape matrices at least --dilocox-lowrank-min-dim on both sides are compressed together as one
-[B, rows, cols] slab; the rest (1-D tensors, small matrices) go whole, concatenated into one flat slab.
+[B, rows, cols] slab; the rest (1-D tensors, small matrices) go whole, concatenated into one flat slab; under --dilocox-sparse-k every tensor does (compression/sparse.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def split_layout(shapes: Sequence[torch.Size], config: DiLoCoXConfig) -> tuple[l
     whole: list[int] = []
     for i, s in enumerate(torch.Size(s) for s in shapes):
         rows, cols = (s[0], s.numel() // s[0]) if len(s) >= 2 and s[0] > 0 else (0, 0)
-        if config.lowrank and min(rows, cols) >= config.lowrank_min_dim:
+        if config.lowrank and not config.sparse_k and min(rows, cols) >= config.lowrank_min_dim:
             explicit = config.lowrank_rank if config.lowrank_rank_max is None else config.lowrank_rank_max
             if explicit > min(rows, cols):
                 flag = "--dilocox-lowrank-rank" if config.lowrank_rank_max is None else "--dilocox-lowrank-rank-max"

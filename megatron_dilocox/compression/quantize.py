@@ -54,7 +54,7 @@ def _mean_abs(blocks: torch.Tensor, numel: int) -> torch.Tensor:
     return scale.div_(counts)
 
 
-def _pack_signs(negative: torch.Tensor) -> torch.Tensor:
+def pack_signs(negative: torch.Tensor) -> torch.Tensor:
     """Bools, eight per byte, lowest bit first; the last byte zero-padded."""
     n = negative.numel()
     bits = negative.to(torch.uint8)
@@ -64,8 +64,8 @@ def _pack_signs(negative: torch.Tensor) -> torch.Tensor:
     return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
 
 
-def _unpack_signs(data: torch.Tensor, numel: int) -> torch.Tensor:
-    """+1.0 / -1.0 per value from ``_pack_signs``'s bytes."""
+def unpack_signs(data: torch.Tensor, numel: int) -> torch.Tensor:
+    """+1.0 / -1.0 per value from ``pack_signs``'s bytes."""
     shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
     negative = ((data[:, None] >> shifts) & 1).view(-1)[:numel]
     return 1.0 - 2.0 * negative.float()
@@ -84,7 +84,7 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
         flat = torch.cat([flat, flat.new_zeros(nblocks * block - n)])
     blocks = flat.view(nblocks, block)
     if bits == 1:
-        return torch.cat([_pack_signs(flat[:n] < 0), _as_bytes(_mean_abs(blocks, n))])
+        return torch.cat([pack_signs(flat[:n] < 0), _as_bytes(_mean_abs(blocks, n))])
     q = qmax(bits)
     scale = blocks.abs().amax(dim=1) / q
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -113,7 +113,7 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int) -> torc
     data_len = expected - SCALE_BYTES * nblocks
     data, scale = payload[:data_len], bytes_as(payload[data_len:], torch.float32)
     if bits == 1:
-        codes = _unpack_signs(data, numel)
+        codes = unpack_signs(data, numel)
     elif bits == 8:
         codes = bytes_as(data, torch.int8).float()
     else:

@@ -59,6 +59,7 @@ from provenance import provenance  # noqa: E402
 SEQ = 128
 CLUSTER_BATCH = 8  # per cluster (gpt_flags); AllReduce: --clusters x this in one world
 EVAL_BATCH = 16  # every method evaluates the same 16 samples per evaluation batch, whatever --clusters
+MICRO_BATCH = 4  # gpt_flags' --micro-batch-size
 COMPRESSION = ["--dilocox-lowrank-rank", "6", "--dilocox-lowrank-min-dim", "64", "--dilocox-quant-bits", "4"]
 NO_COMPRESSION = ["--dilocox-no-lowrank", "--dilocox-quant-bits", "32"]
 INT4_WHOLE = ["--dilocox-no-lowrank", "--dilocox-quant-bits", "4"]
@@ -355,6 +356,8 @@ def main(argv=None):
         "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters),
         "--eval-global-batch-size", str(EVAL_BATCH), "--log-interval", str(log_interval),
         "--seed", str(a.seed)]
+    if a.clusters * MICRO_BATCH > EVAL_BATCH:  # AllReduce's DP world splits the 16 samples finer (8 sites: 2 each)
+        flags += ["--eval-micro-batch-size", str(EVAL_BATCH // a.clusters)]
     print(f"# convergence: {iters} iterations, {a.tokens_per_iter} tokens/iteration per method, H {hs}, "
           f"methods {names}, corpus {a.corpus}, {a.clusters} clusters, PP{a.pp}, out {out}", flush=True)
     results, t_all, prov = [], time.time(), provenance()
