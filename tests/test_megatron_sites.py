@@ -154,6 +154,46 @@ def test_two_layouts_int4_average_within_the_quantization_bound(corpus, tmp_path
           f"average {float(err.norm() / avg.norm()):.4f}, {closed[0]} B per round per site, {sum(sizes)} values")
 
 
+def test_two_layouts_sparse_average_is_the_sites_sparse_payloads(corpus, tmp_path):
+    """The sparse exchange (--dilocox-sparse-k 16 of 512-value chunks) between a TP1 site and a PP2 site of twice its
+    batch, canonical layout, two lanes, synchronous rounds, outer lr 1 without momentum: round 1's applied average
+    (error feedback still zero) equals the average a reference builds here from the dumped θs with
+    compression/sparse.py's plan on each lane's tensors (each site's top 16 per chunk, weights 1/3, 2/3) to fp32
+    rounding, and moves exactly the positions that some site sent; every round's hash equal; bytes per round per
+    site the closed form (per lane: the header, one all-gather of the plan's payload, a tag on each)."""
+    from megatron_dilocox.compression.sparse import SparsePlan
+    k, chunk = 16, 512
+    dump = tmp_path / "dump"
+    codes, logs = run_on_cpu(2, 1, tiny_gpt_flags(corpus, 8),
+                             tiny_dilocox_flags(tmp_path, *CANONICAL, "--dilocox-overlap", "none", "--dilocox-sparse-k",
+                                                str(k), "--dilocox-sparse-chunk", str(chunk), "--dilocox-outer-lr",
+                                                "1.0", "--dilocox-outer-momentum", "0",
+                                                "--dilocox-outer-lr-warmup-iters", "0", "--dilocox-lanes", "2"),
+                             per_cluster_args={1: ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"]},
+                             nproc_by_cluster={1: 2}, env={"DILOCOX_DUMP_ROUNDS": str(dump)}, timeout=420)
+    assert codes == [0, 0], failure_report(logs)
+    rows = rows_of(tmp_path, 2)
+    assert [r["round"] for r in rows[0]] == [1, 2] and len({r["global_model_hash"] for r in rows[0]}) == 2
+    payloads = 0
+    for lane in range(2):
+        d0, d1 = (torch.load(dump / f"c{c}_it4_lane{lane}.pt") for c in range(2))
+        assert d0["units"] == d1["units"] and torch.equal(d0["phi"], d1["phi"])
+        plan = SparsePlan([torch.Size(shape).numel() for _, _, shape in d0["units"]], k, chunk)
+        payloads += plan.payload_bytes
+        phi0 = d0["phi_before"]
+        ref = torch.zeros(phi0.numel(), dtype=torch.float64)
+        for d, w in ((d0, 1 / 3), (d1, 2 / 3)):
+            where, values = plan.decode(plan.encode(phi0 - d["theta"]))
+            ref[where] += w * values.double()
+        moved = phi0 != d0["phi"]
+        assert torch.equal(moved, ref != 0), lane  # every position some site sent, and no other
+        err = (d0["phi"].double() - (phi0.double() - ref)).abs()
+        assert float(err.max()) <= 8 * 2.0 ** -23 * float(phi0.abs().max()), lane
+    closed = [sum(line["round_bytes"] for line in layout_lines(log)) for log in logs]
+    assert closed == [2 * (HEADER_BYTES + TAG_BYTES) + payloads + 2 * TAG_BYTES] * 2, closed
+    assert all(r["bytes_sent"] == closed[0] and r["sparse_k"] == k and r["quant_bits"] == 1 for rs in rows for r in rs)
+
+
 def test_three_sites_three_layouts_compressed(corpus, tmp_path):
     """TP1 PP1 (one process), TP2 (two: QKV of grouped-query attention and SwiGLU's fc1 split over TP), and DP2
     with the distributed optimizer (two: flat shards), meeting at a standalone coordinator, in two lanes (one rank
