@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_dilocox.sim import Setup, model_params, payload_bytes, plan, predict, rank_payload
-from megatron_dilocox.sim.cost_model import exchange_bytes, rank_views, round_bytes, step_seconds
+from megatron_dilocox.sim.cost_model import exchange_bytes, numel, rank_views, round_bytes, step_seconds
 
 pytestmark = pytest.mark.unit
 
@@ -321,3 +321,37 @@ def test_sites_cli_prints_each_sites_h_weight_and_the_ratio_to_lockstep():
     assert lines[-1] == "vs_lockstep: 1.50"
     assert lines[2].split()[:6] == ["0", "1", "100", "10.000", "20", "0.500"]
     assert lines[3].split()[:6] == ["1", "1", "50", "20.000", "10", "0.500"]
+
+
+# ------------------------------------------------------------------------------ the sparse exchange and the codec choice
+@pytest.mark.parametrize("k,chunk,C", [(64, 4096, 2), (8, 100, 4)])
+def test_sparse_bytes_equal_the_codecs(k, chunk, C):
+    torch = pytest.importorskip("torch")
+    from megatron_dilocox.compression.codec import PseudoGradientCodec
+    from megatron_dilocox.config import DiLoCoXConfig
+    from megatron_dilocox.sim.cost_model import sparse_payload_bytes
+    codec = PseudoGradientCodec([torch.Size(s) for s in SHAPES], DiLoCoXConfig(sparse_k=k, sparse_chunk=chunk).validate())
+    p = rank_payload(SHAPES, 8, 4, 128, min_dim=32, sparse=(k, chunk))
+    assert (p["p1"], p["p2"]) == codec.payload_sizes() == (sparse_payload_bytes([numel(s) for s in SHAPES], k, chunk), 0)
+    assert codec.round_bytes(codec.rank, C) == exchange_bytes(p["p1"], p["p2"], 4, C, gathered=True, tagged=True)
+    s = replace(SMALL, clusters=C, sparse_k=k, sparse_chunk=chunk)
+    rb = round_bytes(s)
+    expected = sum(m * exchange_bytes(sparse_payload_bytes([numel(v) for v in views], k, chunk), 0, 4, C,
+                                      gathered=True, tagged=True) for m, views in rank_views(s))
+    assert rb["dilocox"] == expected and predict(s)["scheme"] == "all-gather"
+
+
+def test_codec_choice_takes_the_least_measured_loss_that_reaches_the_target(monkeypatch):
+    from megatron_dilocox.sim import codec_choice
+    monkeypatch.setattr(codec_choice, "LOSS_VS_INT4", {(64, 4096): 0.3, (96, 4096): 0.1})
+    free = codec_choice.choose(replace(SMALL, link_gbps=100.0, tokens_per_gpu_s=2000.0))
+    assert free["chosen"] == "int4 whole"  # every codec hides: the least loss
+    s = replace(_paper_setup(), clusters=8, global_batch_tokens=8 * 80 * 2048, link_gbps=0.1)
+    slow = codec_choice.choose(s, 0.9, h_max=300)
+    rows = {r["codec"]: r for r in slow["candidates"]}
+    assert rows["int4 whole"]["of_ceiling"] < 0.9 <= rows["sparse 64/4096"]["of_ceiling"]
+    assert rows["sparse 96/4096"]["of_ceiling"] >= 0.9 and slow["chosen"] == "sparse 96/4096"  # less loss than 64
+    assert rows["sparse 64/4096"]["h"] < 300 and all(r["h"] <= 300 for r in rows.values())
+    assert rows["low rank 8"]["loss_vs_int4_pct"] is None  # 8 of a width-8192 model: never measured
+    assert codec_choice.choose(s, 0.9)["chosen"].startswith("low rank")  # at H = 100 no measured codec hides
+    assert "not measured" in codec_choice.choose(s, 0.9)["why"]

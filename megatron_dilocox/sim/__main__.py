@@ -16,7 +16,7 @@ import sys
 
 from dataclasses import replace
 
-from megatron_dilocox.sim import canonical
+from megatron_dilocox.sim import canonical, codec_choice
 from megatron_dilocox.sim import sites as site_plan
 from megatron_dilocox.sim.cost_model import Setup, expert_tensors, layer_tensors, model_params, numel, plan, predict
 
@@ -35,7 +35,8 @@ HELP = {
     "link_gbps": "inter-cluster bandwidth per cluster, Gbit/s", "latency_ms": "one-way latency per ring hop, ms",
     "h": "inner steps per round", "rank": "low-rank rank", "bits": "quantization bits: 1, 4, 8, 16, 32",
     "block": "values per quantization block", "min_dim": "matrices with min(rows, cols) below this go whole",
-    "lowrank": "low-rank compression", "lowrank_basis": "local or shared (--dilocox-lowrank-basis)", "overlap": "eager, one-step-delay or none",
+    "lowrank": "low-rank compression", "sparse_k": "sparse exchange: top k of every --sparse-chunk values (0: off)",
+    "sparse_chunk": "sparse exchange: values per chunk", "lowrank_basis": "local or shared (--dilocox-lowrank-basis)", "overlap": "eager, one-step-delay or none",
     "outer_momentum": "outer momentum (0: no momentum buffer)", "outer_state_device": "cpu or param",
     "allreduce_bits": "gradient bits of the AllReduce baseline: 32 (fp32) or 16 (bf16)",
     "scheme": "summable payloads between clusters: reduce-scatter + all-gather (about 2(C-1)/C of a payload "
@@ -88,9 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--paper", action="store_true", help="the paper's setup (flags given too override it)")
     ap.add_argument("--plan", action="store_true", help="also pick H, rank and bits that hide the transfer")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--choose-codec", action="store_true", help="price int4 whole, sparse and low rank at --h and "
+                    "pick one by measured loss (codec_choice.py)")
+    ap.add_argument("--target", type=float, default=0.9, help="--choose-codec: the fraction of the ceiling's "
+                    "tokens/s a codec must reach")
     ap.add_argument("--params", type=float, help="model size; sets --layers (multiple of --pp) to match")
     ap.add_argument("--h-min", type=int, help="planner: smallest H allowed (default --h)")
-    ap.add_argument("--h-max", type=int, help="planner: largest H allowed")
+    ap.add_argument("--h-max", type=int, help="planner and --choose-codec: largest H allowed (--choose-codec: "
+                    "default --h)")
     ap.add_argument("--margin", type=float, default=0.1, help="planner: transfer this much shorter than a round")
     ap.add_argument("--sites", help="sites that differ: GPUS:TOKENS_PER_GPU_S[:TOKENS_PER_STEP] per site, comma-"
                                     "separated (tokens per step default: --global-batch-tokens); prints each site's "
@@ -157,7 +163,8 @@ def report(args, out: dict) -> str:
     moe = f" (MoE: {s.experts} experts, top-{s.topk}, EP{s.ep}; {out['active_params'] / 1e9:.2f}B active)" if s.experts else ""
     lines = [f"DiLoCoX cost model: {out['params'] / 1e9:.2f}B params{moe}, {s.clusters} clusters x {s.gpus_per_cluster} GPUs"
              f" (TP{s.tp} PP{s.pp} DP{s.dp}, {'distributed optimizer' if s.distributed_optimizer else 'DP replicas'}),"
-             f" {s.link_gbps:g} Gbps, H={s.h}, rank {s.rank if s.lowrank else 'off'}, {s.bits}-bit/{s.block},"
+             f" {s.link_gbps:g} Gbps, H={s.h}, " + (f"sparse top {s.sparse_k} of {s.sparse_chunk}," if s.sparse_k else
+                                                    f"rank {s.rank if s.lowrank else 'off'}, {s.bits}-bit/{s.block},") +
              f" {s.overlap}",
              f"inner step: {out['step_seconds']:.2f} s for {s.global_batch_tokens:,} tokens (all clusters);"
              f" H steps = {out['round_compute_seconds']:.0f} s",
@@ -201,6 +208,8 @@ def report(args, out: dict) -> str:
                          f" (exposed {x['exposed_seconds']:.1f} s), {x['tokens_per_s']:,.1f} tokens/s")
         else:
             lines.append(f"plan: infeasible: {p['reason']}")
+    if "codec_choice" in out:
+        lines += codec_choice.report(out["codec_choice"])
     if args.paper:
         lines.append("paper setup (Qi et al. 2025, arXiv 2506.21263); what is and is not from the paper:")
         lines += [f"  [{tag}] {text}" for tag, text in PAPER_NOTES]
@@ -259,6 +268,8 @@ def main(argv=None) -> int:
         return 0
     if args.plan or args.paper:
         out["plan"] = plan(s, h_min=args.h_min or s.h, h_max=args.h_max, margin=args.margin)
+    if args.choose_codec:
+        out["codec_choice"] = codec_choice.choose(s, args.target, args.h_max, args.margin)
     if s.exchange_layout == "canonical":
         try:
             out["canonical"] = canonical.price(s, args.layouts)

@@ -73,9 +73,10 @@ def scatter_bytes(numels: list[int], bits: int, block: int, clusters: int, membe
             + (2 * (clusters - 1) * TAG_BYTES if tagged else 0))
 
 
-def scheme_at(bits: int, clusters: int, choice: str = "auto", tagged: bool = False) -> str:
-    """codec.scheme_at: reduce-scatter from 3 clusters on (auto), and for fp32 whenever messages are tagged."""
-    if clusters <= 1 or bits not in SUMMABLE_BITS:
+def scheme_at(bits: int, clusters: int, choice: str = "auto", tagged: bool = False, sparse: bool = False) -> str:
+    """codec.scheme_at: reduce-scatter from 3 clusters on (auto), and for fp32 whenever messages are tagged; the
+    sparse exchange always all-gathers."""
+    if clusters <= 1 or bits not in SUMMABLE_BITS or sparse:
         return "all-gather"
     if choice == "auto":
         return "reduce-scatter" if clusters >= 3 or (bits == 32 and tagged) else "all-gather"
@@ -120,6 +121,8 @@ class Setup:
     block: int = 128
     min_dim: int = 64
     lowrank: bool = True
+    sparse_k: int = 0  # the sparse exchange (compression/sparse.py): top k of every sparse_chunk values; 0: off
+    sparse_chunk: int = 4096
     lowrank_basis: str = "local"  # or "shared" (PowerSGD: two payload phases, fp32 factors all-reduced)
     overlap: str = "eager"  # or "one-step-delay" (both overlapped) or "none"
     outer_momentum: float = 0.3  # (only whether it is > 0 matters here: a momentum buffer; the default is > 0 at any C)
@@ -251,9 +254,25 @@ def rank_views(s: Setup) -> list[tuple[int, list[tuple]]]:
 
 
 # --------------------------------------------------------------------------------------- bytes
+def sparse_payload_bytes(numels: list[int], k: int, chunk: int) -> int:
+    """compression/sparse.py's closed form: per chunk (row-major, never across tensors) min(k, its length) entries of
+    2 bytes each, a sign bit each, 4 fp32 levels."""
+    entries = chunks = 0
+    for n in numels:
+        full, tail = divmod(n, chunk)
+        entries += full * min(k, chunk) + (min(k, tail) if tail else 0)
+        chunks += full + (1 if tail else 0)
+    return 2 * entries + -(-entries // 8) + 16 * chunks
+
+
 def rank_payload(shapes: list[tuple], rank: int, bits: int, block: int, min_dim: int = 64,
-                 lowrank: bool = True) -> dict:
-    """The codec's closed form for one rank: phase-1 and phase-2 payload bytes and its state sizes."""
+                 lowrank: bool = True, sparse: tuple = (0, 0)) -> dict:
+    """The codec's closed form for one rank: phase-1 and phase-2 payload bytes and its state sizes. ``sparse``:
+    (k, chunk) of the sparse exchange (k 0: off), which replaces low rank and quantization."""
+    if sparse[0]:
+        n = [numel(sh) for sh in shapes]
+        return {"p1": sparse_payload_bytes(n, *sparse), "p2": 0, "n1": [sum(n)], "n2": [], "numel": sum(n),
+                "whole_numel": sum(n), "groups": 0, "q_numel": 0, "rank_too_large": 0}
     groups: dict = {}
     whole, too_small = 0, 0
     for sh in shapes:
@@ -306,10 +325,10 @@ def round_bytes(s: Setup, views: Optional[list] = None) -> dict:
     total = dense = owned = max_numel = max_whole = max_q = too_small = 0
     phases = 2
     for mult, views in views if views is not None else rank_views(s):
-        p = rank_payload(views, s.rank, s.bits, s.block, s.min_dim, s.lowrank)
-        local = bool(p["groups"]) and s.lowrank_basis == "local"
+        p = rank_payload(views, s.rank, s.bits, s.block, s.min_dim, s.lowrank, (s.sparse_k, s.sparse_chunk))
+        local = bool(p["groups"]) and s.lowrank_basis == "local" or bool(s.sparse_k)  # (one all-gather)
         total += mult * exchange_bytes(p["p1"], p["p2"], s.bits, s.clusters, gathered=local, tagged=s.payload_auth,
-                                       scheme=scheme_at(s.bits, s.clusters, s.scheme, s.payload_auth),
+                                       scheme=scheme_at(s.bits, s.clusters, s.scheme, s.payload_auth, bool(s.sparse_k)),
                                        pieces=p, block=s.block)
         dense += mult * allreduce_bytes(4 * p["numel"], s.clusters)
         owned += mult * p["numel"]
@@ -344,7 +363,7 @@ def allreduce_step_seconds(grad_bytes: float, s: Setup) -> float:
 def dilocox_comm_seconds(s: Setup, rb: dict) -> float:
     """Transfer time of one round: all ranks' bytes over the shared link, plus one latency per ring hop, plus
     (authenticated) sealing what each rank sends and verifying what it receives at HMAC_BYTES_PER_S."""
-    local = s.lowrank and s.lowrank_basis == "local"
+    local = s.lowrank and s.lowrank_basis == "local" or bool(s.sparse_k)
     scatter = not local and scheme_at(s.bits, s.clusters, s.scheme, s.payload_auth) == "reduce-scatter"
     gathered = s.bits != 32 or local
     hops = (s.clusters - 1) * (1 + 2 * (rb["phases"] - 1) if scatter or not gathered else rb["phases"])
@@ -415,7 +434,7 @@ def predict(s: Setup) -> dict:
     return {"setup": asdict(s), "params": n, "active_params": active_params(s), "gpus": s.clusters * s.gpus_per_cluster, "step_seconds": t_step,
             "round_compute_seconds": hidden, "methods": methods, "memory": memory(s, rb), "schemes": schemes,
             "boundary": bnd,
-            "scheme": scheme_at(s.bits, s.clusters, s.scheme, s.payload_auth),
+            "scheme": scheme_at(s.bits, s.clusters, s.scheme, s.payload_auth, bool(s.sparse_k)),
             "views_rank_too_large": rb["views_rank_too_large"],
             "speedup_vs_allreduce": methods["dilocox"]["tokens_per_s"] / ar,
             "diloco_speedup_vs_allreduce": methods["diloco"]["tokens_per_s"] / ar}

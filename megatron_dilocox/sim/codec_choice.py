@@ -1,0 +1,91 @@
+"""Which codec a link needs: the choice among the codecs whose loss was measured (pure Python).
+
+For a setup (model, layout, C, link, H) every candidate codec is priced by the cost model (bytes per site per
+round, the round's transfer, what of it is exposed beyond H steps of training, tokens/s against the ceiling) and
+carries its loss against int4 whole as measured by the convergence benchmark (``LOSS_VS_INT4``; the figures and
+their commands: docs/convergence.md#the-codec-a-link-needs). The rule:
+
+    among the codecs that reach ``target`` of the ceiling's tokens/s, the one of least measured loss (ties: the
+    fewer bytes); a codec whose loss was not measured at this model's proportions only when no measured one
+    reaches the target; if none does, the most tokens/s.
+
+Low rank's loss depends on the rank relative to the matrices' width (rank 6 of the benchmark's 128-wide model
+keeps 4.7% of each spectrum; rank 8 of a width-8192 model 0.1%), so a low rank counts as measured only at a
+rank/width ratio the benchmark ran; the sparse codec keeps k of every chunk whatever the model's size, and int4
+whole every value, so theirs carry over.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+from megatron_dilocox.sim.cost_model import Setup, predict, round_bytes
+
+# loss at 1000 iterations, H = 10, against int4 whole at the same C (%), by codec; low rank by the smallest
+# rank/width ratio measured. docs/convergence.md#the-codec-a-link-needs
+LOSS_VS_INT4: dict = {}
+LOWRANK_MEASURED_RATIO = 6 / 128  # the benchmark's rank 6 on its hidden size 128
+LOWRANK_LOSS_VS_INT4: Optional[float] = None
+
+
+def candidates(s: Setup) -> dict:
+    """name -> the setup that codec runs with (the user's H, link and layout)."""
+    out = {"int4 whole": replace(s, lowrank=False, bits=4, sparse_k=0)}
+    for k in (96, 64):
+        out[f"sparse {k}/4096"] = replace(s, sparse_k=k, sparse_chunk=4096)
+    for r in (1024, 256, 64, 32, 8):
+        out[f"low rank {r}"] = replace(s, lowrank=True, rank=r, bits=4, sparse_k=0)
+    return out
+
+
+def measured_loss(name: str, c: Setup) -> Optional[float]:
+    """The codec's measured loss against int4 whole (%), or None where it was not measured at these proportions."""
+    if name.startswith("low rank"):
+        width = min(c.hidden, c.ffn)
+        return LOWRANK_LOSS_VS_INT4 if c.rank / width >= LOWRANK_MEASURED_RATIO else None
+    return 0.0 if name == "int4 whole" else LOSS_VS_INT4.get((c.sparse_k, c.sparse_chunk))
+
+
+def choose(s: Setup, target: float = 0.9, h_max: Optional[int] = None, margin: float = 0.1) -> dict:
+    """Every candidate priced, the chosen one, and why. Each codec runs at the smallest H from ``s.h`` up to
+    ``h_max`` (default ``s.h``) whose H steps hide its transfer with ``margin`` to spare (adaptive H's rule)."""
+    rows = []
+    for name, c in candidates(s).items():
+        p = predict(c)
+        if p["views_rank_too_large"]:
+            continue
+        need = math.ceil(p["methods"]["dilocox"]["comm_seconds"] / p["step_seconds"] * (1 + margin))
+        c = replace(c, h=min(max(s.h, need), max(h_max or s.h, s.h)))
+        p = predict(c)
+        x, ceiling = p["methods"]["dilocox"], p["methods"]["ceiling"]["tokens_per_s"]
+        rows.append({"codec": name, "h": c.h, "bytes_per_site": x["bytes_per_cluster"], "comm_seconds": x["comm_seconds"],
+                     "exposed_seconds": x["exposed_seconds"], "of_ceiling": x["tokens_per_s"] / ceiling,
+                     "tokens_per_s": x["tokens_per_s"], "loss_vs_int4_pct": measured_loss(name, c),
+                     # one site's payload per parameter (what one peer receives from it: the round at C = 2)
+                     "bits_per_param": 8 * round_bytes(replace(c, clusters=2))["dilocox"] / p["params"]})
+    fast = [r for r in rows if r["of_ceiling"] >= target]
+    known = [r for r in fast if r["loss_vs_int4_pct"] is not None]
+    if known:
+        best = min(known, key=lambda r: (r["loss_vs_int4_pct"], r["bytes_per_site"]))
+        why = (f"the least measured loss ({best['loss_vs_int4_pct']:+.2f}% vs int4 whole) among the codecs at "
+               f">= {target:g} of the ceiling")
+    elif fast:
+        best = max(fast, key=lambda r: r["of_ceiling"])
+        why = f"no codec of measured loss reaches {target:g} of the ceiling: the fastest, its loss not measured"
+    else:
+        best = max(rows, key=lambda r: r["of_ceiling"])
+        why = f"no codec reaches {target:g} of the ceiling: the most tokens/s"
+    return {"chosen": best["codec"], "why": why, "target": target, "candidates": rows}
+
+
+def report(out: dict) -> list[str]:
+    lines = [f"{'codec':<16}{'H':>5}{'GB/round':>10}{'bits/param':>11}{'comm s':>9}{'exposed s':>10}{'of ceiling':>11}"
+             f"{'loss vs int4':>13}"]
+    for r in out["candidates"]:
+        loss = "not measured" if r["loss_vs_int4_pct"] is None else f"{r['loss_vs_int4_pct']:+.2f}%"
+        mark = " <-" if r["codec"] == out["chosen"] else ""
+        lines.append(f"{r['codec']:<16}{r['h']:>5}{r['bytes_per_site'] / 1e9:>10.2f}{r['bits_per_param']:>11.3f}"
+                     f"{r['comm_seconds']:>9.0f}{r['exposed_seconds']:>10.0f}{r['of_ceiling']:>11.3f}{loss:>13}{mark}")
+    lines.append(f"codec: {out['chosen']} ({out['why']})")
+    return lines
