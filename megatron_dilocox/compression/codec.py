@@ -115,7 +115,7 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
         self.rank = config.lowrank_rank
         self.groups, self.whole = split_layout(self.shapes, config)
         if config.sparse_k:  # (every tensor whole, in one flat slab: split_layout leaves no low-rank group)
-            self.sparse = SparsePlan(self.numels, config.sparse_k, config.sparse_chunk)
+            self.sparse = SparsePlan(self.numels, config.sparse_k, config.sparse_chunk, self.device)
         # slabs: groups in order, then (if any) the whole tensors concatenated
         slab_shapes = [(len(g.members), g.rows, g.cols) for g in self.groups]
         slab_shapes += [(sum(self.numels[i] for i in self.whole),)] if self.whole else []

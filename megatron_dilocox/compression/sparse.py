@@ -42,7 +42,7 @@ class SparsePlan:
     """The chunks of a list of tensors laid end to end (the codec's flat slab), and where each entry slot of the
     wire lands: fixed by the shapes, K and the chunk size, so every site holds the same plan."""
 
-    def __init__(self, numels: Sequence[int], k: int, chunk: int):
+    def __init__(self, numels: Sequence[int], k: int, chunk: int, device="cpu"):
         self.k, self.chunk, self.numel = int(k), int(chunk), int(sum(numels))
         self.pieces = []  # (slab offset, rows, row length, entries per row): a tensor's full chunks, then its tail
         base, slot_len, slot_level = [], [], []
@@ -64,8 +64,10 @@ class SparsePlan:
                 chunk_id += rows
         self.chunks = chunk_id
         cat = lambda xs, dtype: torch.cat(xs) if xs else torch.zeros(0, dtype=dtype)  # noqa: E731
-        self.slot_base, self.slot_len = cat(base, torch.int64), cat(slot_len, torch.int32)
-        self.slot_level = cat(slot_level, torch.int64)
+        self.device = torch.device(device)  # (where the codec's slabs live: the tables index them there)
+        self.slot_base = cat(base, torch.int64).to(self.device)
+        self.slot_len = cat(slot_len, torch.int32).to(self.device)
+        self.slot_level = cat(slot_level, torch.int64).to(self.device)
         self.entries = int(self.slot_base.numel())
         self._level_count = torch.bincount(self.slot_level, minlength=self.chunks * LEVELS).clamp_(min=1).float()
 
@@ -84,8 +86,8 @@ class SparsePlan:
             mags.append(m.reshape(-1))
             negative.append(block.gather(1, i).reshape(-1) < 0)
         if not idx:
-            return torch.zeros(0, dtype=torch.uint8)
-        levels = torch.zeros(self.chunks * LEVELS, dtype=torch.float32).index_add_(
+            return torch.zeros(0, dtype=torch.uint8, device=flat.device)
+        levels = torch.zeros(self.chunks * LEVELS, dtype=torch.float32, device=flat.device).index_add_(
             0, self.slot_level, torch.cat(mags).float()).div_(self._level_count)
         return torch.cat([torch.cat(idx).to(torch.int16).view(torch.uint8), pack_signs(torch.cat(negative)),
                           levels.view(torch.uint8)])
