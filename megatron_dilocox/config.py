@@ -383,9 +383,10 @@ class DiLoCoXConfig:
         need_int("sparse_k", 0)
         if self.sparse_k:
             need_int("sparse_chunk", 2)
-            if not self.sparse_k <= self.sparse_chunk <= 32768:
-                fail("sparse_chunk", f"must lie within [--dilocox-sparse-k, 32768] = [{self.sparse_k}, 32768], "
-                                     f"got {self.sparse_chunk}")
+            from megatron_dilocox.compression.sparse_form import MAX_CHUNK  # (no torch import)
+            if not self.sparse_k <= self.sparse_chunk <= MAX_CHUNK:
+                fail("sparse_chunk", f"must lie within [--dilocox-sparse-k, {MAX_CHUNK}] = [{self.sparse_k}, "
+                                     f"{MAX_CHUNK}] (an index is 16 bits), got {self.sparse_chunk}")
             if self.exchange_scheme == "reduce-scatter":
                 fail("exchange_scheme", "reduce-scatter sums payloads on the way, and sparse payloads (each site's "
                                         "own indices) cannot be summed: leave it auto, or drop --dilocox-sparse-k")

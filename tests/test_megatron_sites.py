@@ -159,8 +159,9 @@ def test_two_layouts_sparse_average_is_the_sites_sparse_payloads(corpus, tmp_pat
     batch, canonical layout, two lanes, synchronous rounds, outer lr 1 without momentum: round 1's applied average
     (error feedback still zero) equals the average a reference builds here from the dumped θs with
     compression/sparse.py's plan on each lane's tensors (each site's top 16 per chunk, weights 1/3, 2/3) to fp32
-    rounding, and moves exactly the positions that some site sent; every round's hash equal; bytes per round per
-    site the closed form (per lane: the header, one all-gather of the plan's payload, a tag on each)."""
+    rounding, and moves only positions that some site sent (all whose average outweighs φ's last bit); every
+    round's hash equal; bytes per round per site the closed form (per lane: the header, one all-gather of the
+    plan's payload, a tag on each)."""
     from megatron_dilocox.compression.sparse import SparsePlan
     k, chunk = 16, 512
     dump = tmp_path / "dump"
@@ -186,7 +187,9 @@ def test_two_layouts_sparse_average_is_the_sites_sparse_payloads(corpus, tmp_pat
             where, values = plan.decode(plan.encode(phi0 - d["theta"]))
             ref[where] += w * values.double()
         moved = phi0 != d0["phi"]
-        assert torch.equal(moved, ref != 0), lane  # every position some site sent, and no other
+        assert not bool((moved & (ref == 0)).any()), lane  # nothing moved where no site sent
+        # and everything moved where the average is more than an ulp of φ (less may round away)
+        assert bool(moved[ref.abs() > 2.0 ** -22 * phi0.double().abs()].all()), lane
         err = (d0["phi"].double() - (phi0.double() - ref)).abs()
         assert float(err.max()) <= 8 * 2.0 ** -23 * float(phi0.abs().max()), lane
     closed = [sum(line["round_bytes"] for line in layout_lines(log)) for log in logs]

@@ -329,7 +329,7 @@ def test_sparse_bytes_equal_the_codecs(k, chunk, C):
     torch = pytest.importorskip("torch")
     from megatron_dilocox.compression.codec import PseudoGradientCodec
     from megatron_dilocox.config import DiLoCoXConfig
-    from megatron_dilocox.sim.cost_model import sparse_payload_bytes
+    from megatron_dilocox.compression.sparse_form import payload_bytes as sparse_payload_bytes
     codec = PseudoGradientCodec([torch.Size(s) for s in SHAPES], DiLoCoXConfig(sparse_k=k, sparse_chunk=chunk).validate())
     p = rank_payload(SHAPES, 8, 4, 128, min_dim=32, sparse=(k, chunk))
     assert (p["p1"], p["p2"]) == codec.payload_sizes() == (sparse_payload_bytes([numel(s) for s in SHAPES], k, chunk), 0)

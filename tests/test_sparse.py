@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_dilocox.compression.auth import TAG_BYTES
+from megatron_dilocox.compression.averaging import PayloadError
 from megatron_dilocox.compression.codec import HEADER_BYTES, PseudoGradientCodec
 from megatron_dilocox.compression.collective import SoloCollective
 from megatron_dilocox.compression.sparse import LEVELS, SparsePayloadError, SparsePlan
@@ -92,11 +93,108 @@ def test_a_payload_that_is_not_this_plans_is_refused():
     good = plan.encode(torch.randn(140))
     with pytest.raises(SparsePayloadError, match="bytes, expected"):
         plan.decode(good[:-1])
-    bad = good.clone()
-    idx = bad[:2 * plan.entries].view(torch.int16)
-    idx[-1] = 8  # the last chunk (the 40-value tensor's tail) holds 8 values: index 8 is past it
-    with pytest.raises(SparsePayloadError, match="outside its chunk"):
-        plan.decode(bad)
+
+    def altered(fn):
+        bad = good.clone()
+        levels = bad[-4 * LEVELS * plan.chunks:].clone().view(torch.float32)  # (unaligned in the payload: a copy)
+        fn(bad[:2 * plan.entries].view(torch.int16), levels)
+        bad[-4 * LEVELS * plan.chunks:] = levels.view(torch.uint8)
+        return bad
+    for fn, match in [(lambda i, lv: i.__setitem__(-1, 8), "outside its chunk"),  # the 40-value tail's last chunk: 8
+                      (lambda i, lv: i.__setitem__(1, int(i[0])), "twice in its chunk"),
+                      (lambda i, lv: lv.__setitem__(0, -1.0), "negative or not finite"),
+                      (lambda i, lv: lv.__setitem__(3, float("nan")), "negative or not finite")]:
+        with pytest.raises(SparsePayloadError, match=match):
+            plan.decode(altered(fn))
+
+
+@pytest.mark.unit
+def test_the_largest_chunk_and_empty_tensors():
+    """A 32768-value chunk's last place is index 32767 (the int16 wire's largest); a tensor of no values has no
+    chunk and sends nothing."""
+    x = torch.zeros(32768 + 5)
+    x[32767], x[32768 + 4] = 5.0, -3.0
+    plan = SparsePlan([0, 32768 + 5, 0], 1, 32768)
+    assert plan.chunks == 2 and plan.entries == 2
+    where, values = plan.decode(plan.encode(x))
+    assert where.tolist() == [32767, 32768 + 4] and values.tolist() == [5.0, -3.0]
+
+
+class ThreadGroup:
+    """C members in one process (threads): an all-gather through a barrier, the package's Collective around it.
+    ``corrupt`` (member, fn): that member's payloads (not its header) pass through fn on the way."""
+
+    def __new__(cls, size, rank, board, barrier, corrupt=None):
+        from megatron_dilocox.compression.collective import Collective
+
+        class _Threads(Collective):
+            def _all_gather(self, buf):
+                altered = corrupt is not None and self.rank == corrupt[0] and buf.numel() != HEADER_BYTES
+                board[self.rank] = corrupt[1](buf.clone()) if altered else buf.clone()
+                barrier.wait()
+                got = [board[g].clone() for g in range(self.size)]
+                barrier.wait()
+                return got
+
+        c = _Threads()
+        c.size, c.rank = size, rank
+        return c
+
+
+def exchange_in_threads(C, deltas, tokens, corrupt=None, **kw):
+    import threading
+    cfg = [DiLoCoXConfig(sparse_k=4, sparse_chunk=32, num_clusters=C, cluster_id=c, rendezvous="h:1", secret="s",
+                         **kw).validate() for c in range(C)]
+    codecs = [PseudoGradientCodec([torch.Size(s) for s in [(8, 16), (20,)]], cfg[c]) for c in range(C)]
+    board, barrier, out = {}, threading.Barrier(C), [None] * C
+
+    def member(c):
+        try:
+            out[c] = codecs[c].exchange(deltas[c], ThreadGroup(C, c, board, barrier, corrupt), 1, tokens=tokens[c])
+        except Exception as exc:  # noqa: BLE001 (the test asserts on it)
+            out[c] = exc
+    threads = [threading.Thread(target=member, args=(c,)) for c in range(C)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return codecs, out
+
+
+@pytest.mark.unit
+def test_three_members_average_their_sparse_payloads_by_token_weight():
+    """C = 3, tokens 1, 2, 3 per step: Δ on every member is bitwise the same, equals Σ w_c x_c (x_c each member's
+    decoded payload, w_c its share of the tokens) to fp32 rounding, and each member keeps e = δ − x_c."""
+    g = torch.Generator().manual_seed(2)
+    deltas = [[torch.randn(8, 16, generator=g), torch.randn(20, generator=g)] for _ in range(3)]
+    codecs, out = exchange_in_threads(3, deltas, tokens=[1.0, 2.0, 3.0])
+    assert all(r.status == "applied" for r in out), out
+    for r in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0].deltas, r.deltas))
+    plan = codecs[0].sparse
+    ref = torch.zeros(plan.numel, dtype=torch.float64)
+    for c, w in enumerate([1 / 6, 2 / 6, 3 / 6]):
+        flat = torch.cat([d.reshape(-1) for d in deltas[c]])
+        where, values = plan.decode(plan.encode(flat))
+        ref[where] += w * values.double()
+        kept = flat.clone()
+        kept[where] = flat[where] - values
+        assert torch.equal(torch.cat([x.reshape(-1) for x in codecs[c].error]), kept)
+    got = torch.cat([d.reshape(-1) for d in out[0].deltas]).double()
+    assert float((got - ref).abs().max()) <= 4 * 2.0 ** -23 * float(ref.abs().max())
+
+
+@pytest.mark.unit
+def test_a_sparse_payload_that_does_not_decode_is_refused_naming_its_sender():
+    g = torch.Generator().manual_seed(3)
+    deltas = [[torch.randn(8, 16, generator=g), torch.randn(20, generator=g)] for _ in range(2)]
+
+    def corrupt(buf):  # member 1 repeats an index
+        buf[2:4] = buf[0:2]
+        return buf
+    codecs, out = exchange_in_threads(2, deltas, tokens=[1.0, 1.0], corrupt=(1, corrupt), payload_auth=False)
+    for r in out:
+        assert isinstance(r, PayloadError) and "cluster 1" in str(r) and "twice in its chunk" in str(r), r
 
 
 @pytest.mark.unit

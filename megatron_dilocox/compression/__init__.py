@@ -1,7 +1,16 @@
-"""Pseudo-gradient compression: low-rank with error feedback + block quantization. Pure PyTorch."""
-from megatron_dilocox.compression.codec import ExchangeResult, PayloadError, PseudoGradientCodec
-from megatron_dilocox.compression.collective import Collective, SoloCollective
-from megatron_dilocox.compression.quantize import dequantize, payload_bytes, quantize
+"""Pseudo-gradient compression: low-rank with error feedback + block quantization, and the sparse exchange. Pure
+PyTorch. The names below are imported on first use, so that ``sparse_form`` (no torch) can be imported alone, by the
+cost model."""
+import importlib
 
-__all__ = ["Collective", "ExchangeResult", "PayloadError", "PseudoGradientCodec", "SoloCollective",
-           "dequantize", "payload_bytes", "quantize"]
+_WHERE = {"ExchangeResult": "codec", "PayloadError": "codec", "PseudoGradientCodec": "codec",
+          "Collective": "collective", "SoloCollective": "collective",
+          "dequantize": "quantize", "payload_bytes": "quantize", "quantize": "quantize"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -60,8 +60,8 @@ def pack_signs(negative: torch.Tensor) -> torch.Tensor:
     bits = negative.to(torch.uint8)
     if n % 8:
         bits = torch.cat([bits, bits.new_zeros(8 - n % 8)])
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=negative.device)
-    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=negative.device)  # (a factory call, like unpack_signs')
+    return (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_signs(data: torch.Tensor, numel: int) -> torch.Tensor:

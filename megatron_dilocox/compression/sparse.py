@@ -10,8 +10,9 @@ Values. A chunk sends its k = min(K, its length) entries in the order of decreas
 entry's place in that order: the places are split into ``LEVELS`` equal runs and each run sends one magnitude, the
 mean |M| over the run (the least-squares level for that split); each entry sends its 16-bit index and its sign.
 That is a non-uniform quantizer fitted to each chunk (MuLoCo, arXiv 2505.23725: at 2 bits a linear one degrades),
-at one transmitted bit per value. Bytes per site: 2 per entry + 1 per 8 entries + 4·LEVELS per chunk (the closed
-form ``SparsePlan.payload_bytes``); at K = 64 of 4096 that is 0.30 bits per parameter.
+for a sign bit per value beside its index. Bytes per site: 2 per entry + 1 per 8 entries + 4·LEVELS per chunk
+(the closed form ``sparse_form.payload_bytes``, which the cost model prices); at K = 64 of 4096, 0.30 bits per
+parameter.
 
 Exchange. Sites choose different indices, so the payloads cannot be summed on the way: every site all-gathers every
 payload (one size for all: the closed form), decodes each and adds it, weighted (C·w_c/Σw) into a zero buffer in
@@ -25,84 +26,74 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_dilocox.compression import sparse_form
 from megatron_dilocox.compression.averaging import PayloadError
 from megatron_dilocox.compression.norms import finite as _finite, sumsq as _sumsq
 from megatron_dilocox.compression.quantize import bytes_as, pack_signs, unpack_signs
-
-LEVELS = 4  # magnitudes per chunk
-INDEX_BYTES = 2  # an entry's place in its chunk (--dilocox-sparse-chunk <= 32768: int16)
-MAX_CHUNK = 1 << 15
+from megatron_dilocox.compression.sparse_form import INDEX_BYTES, LEVELS
 
 
 class SparsePayloadError(RuntimeError):
-    """A payload that does not decode into this site's chunks (wrong size, an index past its chunk)."""
+    """A payload that does not decode into this site's chunks (size, an index past its chunk or twice in it, a
+    magnitude that is negative or not finite)."""
 
 
 class SparsePlan:
-    """The chunks of a list of tensors laid end to end (the codec's flat slab), and where each entry slot of the
-    wire lands: fixed by the shapes, K and the chunk size, so every site holds the same plan."""
+    """The chunks of a list of tensors laid end to end (the codec's flat slab): fixed by the shapes, K and the chunk
+    size, so every site holds the same plan. Each piece (a tensor's full chunks, or its last, shorter one) is
+    encoded and decoded as one [rows, length] block: no per-entry tables."""
 
     def __init__(self, numels: Sequence[int], k: int, chunk: int, device="cpu"):
         self.k, self.chunk, self.numel = int(k), int(chunk), int(sum(numels))
-        self.pieces = []  # (slab offset, rows, row length, entries per row): a tensor's full chunks, then its tail
-        base, slot_len, slot_level = [], [], []
-        offset, chunk_id = 0, 0
-        for n in numels:
-            full, tail = divmod(int(n), self.chunk)
-            for rows, length in ((full, self.chunk), (1 if tail else 0, tail)):
-                if not rows:
-                    continue
-                kk = min(self.k, length)
-                self.pieces.append((offset, rows, length, kk))
-                starts = offset + length * torch.arange(rows, dtype=torch.int64)
-                base.append(starts.repeat_interleave(kk))
-                slot_len.append(torch.full((rows * kk,), length, dtype=torch.int32))
-                run = torch.arange(kk, dtype=torch.int64) * LEVELS // kk  # each entry's run of places
-                ids = chunk_id + torch.arange(rows, dtype=torch.int64)
-                slot_level.append((ids[:, None] * LEVELS + run[None, :]).reshape(-1))
-                offset += rows * length
-                chunk_id += rows
-        self.chunks = chunk_id
-        cat = lambda xs, dtype: torch.cat(xs) if xs else torch.zeros(0, dtype=dtype)  # noqa: E731
-        self.device = torch.device(device)  # (where the codec's slabs live: the tables index them there)
-        self.slot_base = cat(base, torch.int64).to(self.device)
-        self.slot_len = cat(slot_len, torch.int32).to(self.device)
-        self.slot_level = cat(slot_level, torch.int64).to(self.device)
-        self.entries = int(self.slot_base.numel())
-        self._level_count = torch.bincount(self.slot_level, minlength=self.chunks * LEVELS).clamp_(min=1).float()
-
-    @property
-    def payload_bytes(self) -> int:
-        """Closed form: bytes one site's payload takes."""
-        return INDEX_BYTES * self.entries + -(-self.entries // 8) + 4 * LEVELS * self.chunks
+        self.pieces = sparse_form.pieces(numels, self.k, self.chunk)
+        self.entries = sum(rows * kk for _, rows, _, kk in self.pieces)
+        self.chunks = sum(rows for _, rows, _, _ in self.pieces)
+        self.payload_bytes = sparse_form.payload_bytes(numels, self.k, self.chunk)
+        self.device = torch.device(device)
+        # each place's run (which of its chunk's LEVELS magnitudes it takes), per entries-per-row value
+        self._run = {kk: torch.arange(kk, device=self.device) * LEVELS // kk for kk in {p[3] for p in self.pieces}}
 
     def encode(self, flat: torch.Tensor) -> torch.Tensor:
         """The payload (flat uint8) of ``flat``, the slab of M: every chunk's top-k indices, signs and levels."""
-        idx, mags, negative = [], [], []
+        idx, negative, levels = [], [], []
         for offset, rows, length, kk in self.pieces:
             block = flat[offset:offset + rows * length].view(rows, length)
-            m, i = block.abs().topk(kk, dim=1, sorted=True)  # decreasing |M|: the order the levels follow
+            m, i = block.abs().topk(kk, dim=1, sorted=True)  # decreasing |M|: the order the runs follow
             idx.append(i.reshape(-1))
-            mags.append(m.reshape(-1))
             negative.append(block.gather(1, i).reshape(-1) < 0)
+            b = sparse_form.run_bounds(kk)
+            levels.append(torch.stack([m[:, b[r]:b[r + 1]].mean(dim=1) if b[r + 1] > b[r] else m.new_zeros(rows)
+                                       for r in range(LEVELS)], dim=1).reshape(-1))
         if not idx:
             return torch.zeros(0, dtype=torch.uint8, device=flat.device)
-        levels = torch.zeros(self.chunks * LEVELS, dtype=torch.float32, device=flat.device).index_add_(
-            0, self.slot_level, torch.cat(mags).float()).div_(self._level_count)
         return torch.cat([torch.cat(idx).to(torch.int16).view(torch.uint8), pack_signs(torch.cat(negative)),
-                          levels.view(torch.uint8)])
+                          torch.cat(levels).float().view(torch.uint8)])
 
     def decode(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(slab positions, values) of a payload; raises SparsePayloadError for one that is not this plan's."""
         if payload.numel() != self.payload_bytes:
             raise SparsePayloadError(f"{payload.numel()} bytes, expected {self.payload_bytes}")
-        n = self.entries
+        n, sign_bytes = self.entries, -(-self.entries // 8)
         idx = bytes_as(payload[:INDEX_BYTES * n], torch.int16).to(torch.int64)
-        if n and not bool(((idx >= 0) & (idx < self.slot_len)).all()):
-            raise SparsePayloadError("an index lies outside its chunk")
-        signs = unpack_signs(payload[INDEX_BYTES * n:INDEX_BYTES * n + -(-n // 8)], n)
-        levels = bytes_as(payload[INDEX_BYTES * n + -(-n // 8):], torch.float32)
-        return self.slot_base + idx, levels[self.slot_level] * signs
+        signs = unpack_signs(payload[INDEX_BYTES * n:INDEX_BYTES * n + sign_bytes], n)
+        levels = bytes_as(payload[INDEX_BYTES * n + sign_bytes:], torch.float32)
+        if levels.numel() and not bool((torch.isfinite(levels) & (levels >= 0)).all()):
+            raise SparsePayloadError("a magnitude that is negative or not finite")
+        where, values, e, c = [], [], 0, 0
+        for offset, rows, length, kk in self.pieces:
+            i = idx[e:e + rows * kk].view(rows, kk)
+            if not bool(((i >= 0) & (i < length)).all()):
+                raise SparsePayloadError("an index lies outside its chunk")
+            if kk > 1 and not bool((i.sort(dim=1).values.diff(dim=1) > 0).all()):
+                raise SparsePayloadError("an index appears twice in its chunk")
+            starts = offset + length * torch.arange(rows, device=i.device)
+            where.append((starts[:, None] + i).reshape(-1))
+            level = levels[c * LEVELS:(c + rows) * LEVELS].view(rows, LEVELS)[:, self._run[kk]]
+            values.append(level.reshape(-1) * signs[e:e + rows * kk])
+            e, c = e + rows * kk, c + rows
+        if not where:
+            return idx, signs
+        return torch.cat(where), torch.cat(values)
 
 
 class SparseExchange:
@@ -116,12 +107,14 @@ class SparseExchange:
         slab, C = M[-1], coll.size
         total, own = torch.zeros_like(slab), None
         for c, buf in enumerate(coll.all_gather(self.sparse.encode(slab), self._context("sparse"))):
+            # (every index is unique in its chunk, so each sum below adds one term per position: the same bits on
+            # every site and device)
             try:
                 where, values = self.sparse.decode(buf)
             except SparsePayloadError as exc:
                 raise PayloadError(f"refused payload: cluster {coll.cluster_of(c)} sent a sparse payload that does "
                                    f"not decode ({exc}); nothing was applied") from None
-            total.index_add_(0, where, self._weighted(values, c))  # (a slot's index is unique in a payload)
+            total.index_add_(0, where, self._weighted(values, c))
             if c == coll.rank:
                 own = (where, values)
         total.div_(C)

@@ -157,7 +157,7 @@ class DiLoCoXOptimizer:
                  for kind in ("dense", "expert", "router")}
         return {"rank": rank, "numel": numel,
                 "lowrank_groups": [[g.rows, g.cols, len(g.members)] for c in codecs for g in c.groups],
-                "whole_numel": sum(c.numels[i] for c in codecs for i in c.whole), "lowrank_rank": codecs[0].rank,
+                "whole_numel": sum(c.numels[i] for c in codecs for i in c.whole), "lowrank_rank": codecs[0].rank if codecs[0].groups else 0,
                 "round_bytes": sum(c.round_bytes(c.rank, self.cfg.num_clusters) for c in codecs),
                 "inner": inner_optimizers(self.inner)}
 
@@ -324,7 +324,7 @@ def _deal_over_replicas(kinds: list[str]) -> list[tuple]:
     return owners
 
 
-NUMERIC_ROW_KEYS = ("H", "lowrank_rank", "quant_bits", "bytes_sent", "bytes_received", "bytes_dense_fp32",
+NUMERIC_ROW_KEYS = ("H", "lowrank_rank", "quant_bits", "sparse_k", "bytes_sent", "bytes_received", "bytes_dense_fp32",
                     "comm_seconds", "exposed_comm_seconds", "compression_rel_error", "pseudo_grad_norm")
 
 

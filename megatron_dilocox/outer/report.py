@@ -55,5 +55,5 @@ def round_row(sync, r, exposed: float, h_used: int, rank_used: int) -> dict:
 
 def log_row(row: dict):
     log.info("DiLoCoX round %(round)d @ iter %(iteration)d: %(status)s, H=%(H)d r=%(lowrank_rank)d "
-             "bits=%(quant_bits)d sent=%(bytes_sent)d B (dense fp32 %(bytes_dense_fp32)d B), "
+             "bits=%(quant_bits)d sparse k=%(sparse_k)d sent=%(bytes_sent)d B (dense fp32 %(bytes_dense_fp32)d B), "
              "comm %(comm_seconds).3fs exposed %(exposed_comm_seconds).3fs hash=%(global_model_hash)s", row)

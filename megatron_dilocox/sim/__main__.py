@@ -16,6 +16,7 @@ import sys
 
 from dataclasses import replace
 
+from megatron_dilocox.compression.sparse_form import MAX_CHUNK
 from megatron_dilocox.sim import canonical, codec_choice
 from megatron_dilocox.sim import sites as site_plan
 from megatron_dilocox.sim.cost_model import Setup, expert_tensors, layer_tensors, model_params, numel, plan, predict
@@ -128,6 +129,8 @@ def parse(argv) -> argparse.Namespace:
     if "--paper" in argv:
         ap.set_defaults(**PAPER)
     args = ap.parse_args(argv)
+    if args.sparse_k and not args.sparse_k <= args.sparse_chunk <= MAX_CHUNK:
+        ap.error(f"--sparse-chunk: must lie within [--sparse-k, {MAX_CHUNK}], got {args.sparse_chunk}")
     if args.ep > 1 and not args.experts:
         ap.error("--ep: expert parallelism needs --experts")
     if args.experts and (args.experts % args.ep or args.dp % args.ep):

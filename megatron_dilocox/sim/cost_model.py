@@ -19,7 +19,8 @@ header, phase 1 and phase 2 travel as all-gathers ((C-1)*S bytes sent) or, at 32
 and both pay the round boundary's own host work every round; T_exchange = T_comm + its thread's hash (boundary.py).
 
 No torch and no megatron import here: ``payload_bytes`` re-implements ``compression.quantize.payload_bytes``
-(tests check that both agree, and that the per-rank sums equal the codec's ``payload_sizes``).
+(tests check that both agree, and that the per-rank sums equal the codec's ``payload_sizes``); the sparse
+exchange's bytes are ``compression/sparse_form.py``'s, which the codec uses too.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
+from megatron_dilocox.compression import sparse_form  # (no torch: the package imports its codecs on first use)
 from megatron_dilocox.sim.boundary import (HOST_COPY_GB_S, HOST_ELEMENTWISE_GB_S, HOST_FIRST_TOUCH_GB_S, HOST_MEMORY_GB,
                                            INTRA_SITE_GB_S, NODE_MEMORY_GB_S, PCIE_GB_S, SHA256_GB_S, exchange_and_boundary)
 
@@ -254,24 +256,13 @@ def rank_views(s: Setup) -> list[tuple[int, list[tuple]]]:
 
 
 # --------------------------------------------------------------------------------------- bytes
-def sparse_payload_bytes(numels: list[int], k: int, chunk: int) -> int:
-    """compression/sparse.py's closed form: per chunk (row-major, never across tensors) min(k, its length) entries of
-    2 bytes each, a sign bit each, 4 fp32 levels."""
-    entries = chunks = 0
-    for n in numels:
-        full, tail = divmod(n, chunk)
-        entries += full * min(k, chunk) + (min(k, tail) if tail else 0)
-        chunks += full + (1 if tail else 0)
-    return 2 * entries + -(-entries // 8) + 16 * chunks
-
-
 def rank_payload(shapes: list[tuple], rank: int, bits: int, block: int, min_dim: int = 64,
                  lowrank: bool = True, sparse: tuple = (0, 0)) -> dict:
     """The codec's closed form for one rank: phase-1 and phase-2 payload bytes and its state sizes. ``sparse``:
     (k, chunk) of the sparse exchange (k 0: off), which replaces low rank and quantization."""
     if sparse[0]:
         n = [numel(sh) for sh in shapes]
-        return {"p1": sparse_payload_bytes(n, *sparse), "p2": 0, "n1": [sum(n)], "n2": [], "numel": sum(n),
+        return {"p1": sparse_form.payload_bytes(n, *sparse), "p2": 0, "n1": [sum(n)], "n2": [], "numel": sum(n),
                 "whole_numel": sum(n), "groups": 0, "q_numel": 0, "rank_too_large": 0}
     groups: dict = {}
     whole, too_small = 0, 0
@@ -448,13 +439,14 @@ def plan(s: Setup, h_min: int, h_max: Optional[int] = None, margin: float = 0.1,
     Candidates: every rank in ``ranks`` (default powers of two up to 1024; ``None`` = no low-rank, dense)
     with every quantization. H = max(h_min, ceil(T_comm / T_step * (1 + margin))), as in the package's
     adaptive H. Among the candidates with the smallest H, prefer dense over low-rank, then the higher
-    rank, then the more bits (more information for the same hidden transfer)."""
+    rank, then the more bits (more information for the same hidden transfer). Low rank and quantization only: the
+    sparse exchange is weighed against them by ``codec_choice.choose`` (--choose-codec)."""
     ranks = ranks if ranks is not None else [None] + [2 ** k for k in range(10, -1, -1)]
     t_step, views = step_seconds(s), rank_views(s)
     best, tried = None, []
     for r in ranks:
         for bits in bits_options:
-            c = replace(s, rank=r or 1, lowrank=r is not None, bits=bits)
+            c = replace(s, rank=r or 1, lowrank=r is not None, bits=bits, sparse_k=0)
             rb = round_bytes(c, views)
             if rb["views_rank_too_large"]:
                 continue
@@ -469,6 +461,6 @@ def plan(s: Setup, h_min: int, h_max: Optional[int] = None, margin: float = 0.1,
     if best is None:
         return {"feasible": False, "reason": f"no rank/bits hides the transfer with H <= {h_max}"}
     _, r, bits, h = best
-    chosen = replace(s, h=h, rank=r or 1, lowrank=r is not None, bits=bits)
+    chosen = replace(s, h=h, rank=r or 1, lowrank=r is not None, bits=bits, sparse_k=0)
     return {"feasible": True, "h": h, "rank": r, "bits": bits, "prediction": predict(chosen),
             "candidates": sorted(tried, key=lambda x: (x["h"], -(x["rank"] or math.inf), -x["bits"]))}
