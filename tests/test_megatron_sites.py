@@ -154,6 +154,8 @@ def test_two_layouts_int4_average_within_the_quantization_bound(corpus, tmp_path
           f"average {float(err.norm() / avg.norm()):.4f}, {closed[0]} B per round per site, {sum(sizes)} values")
 
 
+@pytest.mark.slow  # CI: tests/test_sparse.py (real processes at C = 2 and 3, three members by token weight against
+# a reference) and tests/test_device_boundary.py's sparse run; this adds Megatron's canonical layout in two lanes
 def test_two_layouts_sparse_average_is_the_sites_sparse_payloads(corpus, tmp_path):
     """The sparse exchange (--dilocox-sparse-k 16 of 512-value chunks) between a TP1 site and a PP2 site of twice its
     batch, canonical layout, two lanes, synchronous rounds, outer lr 1 without momentum: round 1's applied average
