@@ -25,13 +25,13 @@ from megatron_dilocox.sim.cost_model import Setup, predict, round_bytes
 
 # loss at 1000 iterations, H = 10, against int4 whole at the same C (%), by codec; low rank by the smallest
 # rank/width ratio measured. docs/convergence.md#the-codec-a-link-needs
-LOSS_VS_INT4: dict = {(64, 4096): 8.30, (96, 4096): 6.65}  # (k, chunk): two sites, the KJV
+LOSS_VS_INT4: dict = {(64, 4096): 8.30, (96, 4096): 6.65, (256, 4096): 3.32}  # (k, chunk): two sites, the KJV
 
 
 def candidates(s: Setup) -> dict:
     """name -> the setup that codec runs with (the user's H, link and layout)."""
     out = {"int4 whole": replace(s, lowrank=False, bits=4, sparse_k=0)}
-    for k in (96, 64):
+    for k in (256, 96, 64):
         out[f"sparse {k}/4096"] = replace(s, sparse_k=k, sparse_chunk=4096)
     for r in (1024, 256, 64, 32, 8):
         out[f"low rank {r}"] = replace(s, lowrank=True, rank=r, bits=4, sparse_k=0)
