@@ -167,8 +167,9 @@ class DiLoCoXConfig:
     quant_bits: int = knob(4, "bits per transmitted value: 1 (sign x block mean |x|), 4, 8, 16 (bf16) or 32 (no quantization)")
     quant_block_size: int = knob(128, "values per quantization block (one fp32 scale each)")
     sparse_k: int = knob(0, "sparse exchange: every chunk of --dilocox-sparse-chunk values of a tensor sends its k "
-                            "largest entries (of δ + e) with one sign bit each and 4 magnitudes per chunk, all-gathered; "
-                            "replaces low rank and --dilocox-quant-bits; 0: off (docs/algorithm.md#sparse-exchange)")
+                            "largest entries (of δ + e) with one sign bit each and 4 magnitudes per chunk, "
+                            "all-gathered; replaces low rank and --dilocox-quant-bits; 0: off "
+                            "(docs/algorithm.md#sparse-exchange)")
     sparse_chunk: int = knob(4096, "values per chunk of the sparse exchange (at most 32768; a tensor's last chunk "
                                    "is shorter)")
     seed: int = knob(1234, "seed shared by all clusters (warm-start Q)")

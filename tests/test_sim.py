@@ -332,7 +332,10 @@ def test_sparse_bytes_equal_the_codecs(k, chunk, C):
     from megatron_dilocox.compression.sparse_form import payload_bytes as sparse_payload_bytes
     codec = PseudoGradientCodec([torch.Size(s) for s in SHAPES], DiLoCoXConfig(sparse_k=k, sparse_chunk=chunk).validate())
     p = rank_payload(SHAPES, 8, 4, 128, min_dim=32, sparse=(k, chunk))
-    assert (p["p1"], p["p2"]) == codec.payload_sizes() == (sparse_payload_bytes([numel(s) for s in SHAPES], k, chunk), 0)
+    lengths = [min(chunk, numel(s) - a) for s in SHAPES for a in range(0, numel(s), chunk)]  # (docs' definition)
+    entries = sum(min(k, n) for n in lengths)
+    assert (p["p1"], p["p2"]) == codec.payload_sizes() == (2 * entries + -(-entries // 8) + 16 * len(lengths), 0)
+    assert p["p1"] == codec.sparse.encode(torch.randn(sum(numel(s) for s in SHAPES))).numel()
     assert codec.round_bytes(codec.rank, C) == exchange_bytes(p["p1"], p["p2"], 4, C, gathered=True, tagged=True)
     s = replace(SMALL, clusters=C, sparse_k=k, sparse_chunk=chunk)
     rb = round_bytes(s)

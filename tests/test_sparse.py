@@ -101,9 +101,11 @@ def test_a_payload_that_is_not_this_plans_is_refused():
         bad[-4 * LEVELS * plan.chunks:] = levels.view(torch.uint8)
         return bad
     for fn, match in [(lambda i, lv: i.__setitem__(-1, 8), "outside its chunk"),  # the 40-value tail's last chunk: 8
+                      (lambda i, lv: i.__setitem__(0, -1), "outside its chunk"),  # (0xFFFF read as int16)
                       (lambda i, lv: i.__setitem__(1, int(i[0])), "twice in its chunk"),
                       (lambda i, lv: lv.__setitem__(0, -1.0), "negative or not finite"),
-                      (lambda i, lv: lv.__setitem__(3, float("nan")), "negative or not finite")]:
+                      (lambda i, lv: lv.__setitem__(3, float("nan")), "negative or not finite"),
+                      (lambda i, lv: lv.__setitem__(5, float("inf")), "negative or not finite")]:
         with pytest.raises(SparsePayloadError, match=match):
             plan.decode(altered(fn))
 

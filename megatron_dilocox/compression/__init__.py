@@ -5,7 +5,7 @@ import importlib
 
 _WHERE = {"ExchangeResult": "codec", "PayloadError": "codec", "PseudoGradientCodec": "codec",
           "Collective": "collective", "SoloCollective": "collective",
-          "dequantize": "quantize", "payload_bytes": "quantize", "quantize": "quantize"}
+          "dequantize": "quantize", "payload_bytes": "quantize"}  # (not ``quantize``: also the submodule's name)
 
 __all__ = sorted(_WHERE)
 

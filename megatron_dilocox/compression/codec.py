@@ -11,6 +11,9 @@ Per rank the codec owns the error-feedback buffers e and the warm-start Q of eve
     phase 2: Q' = M^T P^, quantized, averaged in fp32  (+ energy statistics for adaptive rank)
     Δ = P^ mean(Q')^T  and  mean(whole);   e = M - (what this cluster actually transmitted)
 
+Under ``--dilocox-sparse-k`` every tensor is in the one flat slab and the round is compression/sparse.py's: one
+all-gather of each cluster's top-k entries, summed in member order.
+
 At rank 0 (``--dilocox-link-budget`` chose it: the link carries the matrices whole) every slab is sent whole,
 quantized, in phase 1 alone; Q is kept as the warm start for when a rank returns.
 

@@ -1,7 +1,8 @@
 """How a model's tensors map onto the codec's slabs, and when a slab's memory may be reused.
 
 Same-shape matrices at least --dilocox-lowrank-min-dim on both sides are compressed together as one
-[B, rows, cols] slab; the rest (1-D tensors, small matrices) go whole, concatenated into one flat slab; under --dilocox-sparse-k every tensor does (compression/sparse.py).
+[B, rows, cols] slab; the rest (1-D tensors, small matrices) go whole, concatenated into one flat slab; under
+--dilocox-sparse-k every tensor does (compression/sparse.py).
 """
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ class DiLoCoXOptimizer:
                  for kind in ("dense", "expert", "router")}
         return {"rank": rank, "numel": numel,
                 "lowrank_groups": [[g.rows, g.cols, len(g.members)] for c in codecs for g in c.groups],
-                "whole_numel": sum(c.numels[i] for c in codecs for i in c.whole), "lowrank_rank": codecs[0].rank if codecs[0].groups else 0,
+                "whole_numel": sum(c.numels[i] for c in codecs for i in c.whole),
+                "lowrank_rank": codecs[0].rank if any(c.groups for c in codecs) else 0,
                 "round_bytes": sum(c.round_bytes(c.rank, self.cfg.num_clusters) for c in codecs),
                 "inner": inner_optimizers(self.inner)}
 

@@ -129,8 +129,11 @@ def parse(argv) -> argparse.Namespace:
     if "--paper" in argv:
         ap.set_defaults(**PAPER)
     args = ap.parse_args(argv)
-    if args.sparse_k and not args.sparse_k <= args.sparse_chunk <= MAX_CHUNK:
-        ap.error(f"--sparse-chunk: must lie within [--sparse-k, {MAX_CHUNK}], got {args.sparse_chunk}")
+    if args.sparse_k < 0 or args.sparse_k and not args.sparse_k <= args.sparse_chunk <= MAX_CHUNK:
+        ap.error(f"--sparse-k {args.sparse_k}, --sparse-chunk {args.sparse_chunk}: need 0 (off) or k <= chunk <= "
+                 f"{MAX_CHUNK}")
+    if not 0 < args.target <= 1:
+        ap.error(f"--target: a fraction of the ceiling in (0, 1], got {args.target}")
     if args.ep > 1 and not args.experts:
         ap.error("--ep: expert parallelism needs --experts")
     if args.experts and (args.experts % args.ep or args.dp % args.ep):

@@ -23,8 +23,8 @@ from typing import Optional
 
 from megatron_dilocox.sim.cost_model import Setup, predict, round_bytes
 
-# loss at 1000 iterations, H = 10, against int4 whole at the same C (%), by codec; low rank by the smallest
-# rank/width ratio measured. docs/convergence.md#the-codec-a-link-needs
+# loss at 1000 iterations, H = 10, against int4 whole at the same C (%), by (k, chunk) of the sparse codec
+# (docs/convergence.md#the-codec-a-link-needs)
 LOSS_VS_INT4: dict = {(64, 4096): 8.30, (96, 4096): 6.65, (256, 4096): 3.32}  # (k, chunk): two sites, the KJV
 
 
@@ -68,9 +68,10 @@ def choose(s: Setup, target: float = 0.9, h_max: Optional[int] = None, margin: f
         best = min(known, key=lambda r: (r["loss_vs_int4_pct"], r["bytes_per_site"]))
         why = (f"the least measured loss ({best['loss_vs_int4_pct']:+.2f}% vs int4 whole) among the codecs at "
                f">= {target:g} of the ceiling")
-    elif fast:
-        best = max(fast, key=lambda r: r["of_ceiling"])
-        why = f"no codec of measured loss reaches {target:g} of the ceiling: the fastest, its loss not measured"
+    elif fast:  # (as the planner: the shortest round, then the most bytes it can carry)
+        best = min(fast, key=lambda r: (r["h"], -r["bytes_per_site"]))
+        why = (f"no codec of measured loss reaches {target:g} of the ceiling: of those that do, the shortest round, "
+               f"its loss not measured")
     else:
         best = max(rows, key=lambda r: r["of_ceiling"])
         why = f"no codec reaches {target:g} of the ceiling: the most tokens/s"

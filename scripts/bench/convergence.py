@@ -345,6 +345,9 @@ def main(argv=None):
     for h in hs:
         if iters % h:
             print(f"warning: --iters {iters} is not a multiple of H={h}: progress after the last boundary is not synced")
+    if "allreduce" in names and EVAL_BATCH % a.clusters:
+        raise SystemExit(f"--clusters {a.clusters}: AllReduce's DP world of {a.clusters} must split the {EVAL_BATCH} "
+                         f"validation samples evenly (1, 2, 4, 8 or 16 sites; or leave allreduce out)")
     a.data = os.path.abspath(a.data or os.path.join(REPO, "data", a.corpus))
     name = a.name or ("quick" if a.quick else f"{a.corpus}_i{iters}_h{'-'.join(map(str, hs))}")
     out = os.path.abspath(a.out or os.path.join(REPO, "runs", "convergence", name))
@@ -358,9 +361,6 @@ def main(argv=None):
         "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters),
         "--eval-global-batch-size", str(EVAL_BATCH), "--log-interval", str(log_interval),
         "--seed", str(a.seed)]
-    if EVAL_BATCH % a.clusters:
-        raise SystemExit(f"--clusters {a.clusters}: AllReduce's DP world of {a.clusters} must split the {EVAL_BATCH} "
-                         f"validation samples evenly (1, 2, 4, 8 or 16 sites)")
     if a.clusters * MICRO_BATCH > EVAL_BATCH:  # AllReduce's DP world splits the 16 samples finer (8 sites: 2 each)
         flags += ["--eval-micro-batch-size", str(EVAL_BATCH // a.clusters)]
     print(f"# convergence: {iters} iterations, {a.tokens_per_iter} tokens/iteration per method, H {hs}, "
