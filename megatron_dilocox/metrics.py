@@ -6,8 +6,8 @@ import os
 from typing import Optional
 
 ROUND_KEYS = ("round", "fragment", "iteration", "launched_at", "cluster", "num_clusters", "status", "H", "next_H",
-              "lowrank_rank", "next_lowrank_rank", "quant_bits", "sparse_k", "bytes_sent", "bytes_received", "bytes_dense_fp32",
-              "comm_seconds", "transfer_seconds", "exposed_comm_seconds", "compression_rel_error",
+              "lowrank_rank", "next_lowrank_rank", "quant_bits", "sparse_k", "bytes_sent", "bytes_received",
+              "bytes_dense_fp32", "comm_seconds", "transfer_seconds", "exposed_comm_seconds", "compression_rel_error",
               "pseudo_grad_norm", "global_model_hash", "tokens", "weight", "repaired")
 
 

@@ -320,7 +320,7 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
 
         G = len(self.groups) if self.rank else 0  # rank 0: the matrices travel whole, like the small tensors
         if self.sparse is not None:
-            refused, out, e_sq = self._exchange_sparse(M, coll, result)
+            refused, out, e_sq = self._exchange_sparse(M, coll)
             return finish(refused) if refused else self._commit(M, out, e_sq, m_sq, result, finish)
         if self.one_phase:
             refused, out, e_sq = self._exchange_local(M, m_sq, coll, result)

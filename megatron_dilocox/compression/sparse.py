@@ -48,7 +48,7 @@ class SparsePlan:
         self.pieces = sparse_form.pieces(numels, self.k, self.chunk)
         self.entries = sum(rows * kk for _, rows, _, kk in self.pieces)
         self.chunks = sum(rows for _, rows, _, _ in self.pieces)
-        self.payload_bytes = sparse_form.payload_bytes(numels, self.k, self.chunk)
+        self.payload_bytes = sparse_form.bytes_of(self.pieces)
         self.device = torch.device(device)
         # each place's run (which of its chunk's LEVELS magnitudes it takes), per entries-per-row value
         self._run = {kk: torch.arange(kk, device=self.device) * LEVELS // kk for kk in {p[3] for p in self.pieces}}
@@ -102,7 +102,7 @@ class SparseExchange:
 
     sparse: Optional[SparsePlan] = None
 
-    def _exchange_sparse(self, M: list, coll, result) -> tuple[Optional[str], list, list]:
+    def _exchange_sparse(self, M: list, coll) -> tuple[Optional[str], list, list]:
         """(refusal or None, [Δ slab], [||e||²]); on success e is left in M (in place)."""
         slab, C = M[-1], coll.size
         total, own = torch.zeros_like(slab), None

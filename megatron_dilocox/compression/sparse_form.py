@@ -26,8 +26,14 @@ def run_bounds(kk: int) -> list[int]:
     return [-(-r * kk // LEVELS) for r in range(LEVELS + 1)]
 
 
-def payload_bytes(numels, k: int, chunk: int) -> int:
-    """Bytes of one site's payload: per entry its index and a sign bit, per chunk LEVELS fp32 magnitudes."""
-    entries = sum(rows * kk for _, rows, _, kk in pieces(numels, k, chunk))
-    chunks = sum(rows for _, rows, _, _ in pieces(numels, k, chunk))
+def bytes_of(cut: list[tuple[int, int, int, int]]) -> int:
+    """Bytes of one site's payload over ``pieces``' cut: per entry its index and a sign bit, per chunk LEVELS fp32
+    magnitudes."""
+    entries = sum(rows * kk for _, rows, _, kk in cut)
+    chunks = sum(rows for _, rows, _, _ in cut)
     return INDEX_BYTES * entries + -(-entries // 8) + 4 * LEVELS * chunks
+
+
+def payload_bytes(numels, k: int, chunk: int) -> int:
+    """Bytes of one site's payload for tensors of ``numels`` values."""
+    return bytes_of(pieces(numels, k, chunk))

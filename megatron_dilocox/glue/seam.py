@@ -325,8 +325,8 @@ def _deal_over_replicas(kinds: list[str]) -> list[tuple]:
     return owners
 
 
-NUMERIC_ROW_KEYS = ("H", "lowrank_rank", "quant_bits", "sparse_k", "bytes_sent", "bytes_received", "bytes_dense_fp32",
-                    "comm_seconds", "exposed_comm_seconds", "compression_rel_error", "pseudo_grad_norm")
+NUMERIC_ROW_KEYS = ("H", "lowrank_rank", "quant_bits", "sparse_k", "bytes_sent", "bytes_received",
+                    "bytes_dense_fp32", "comm_seconds", "exposed_comm_seconds", "compression_rel_error", "pseudo_grad_norm")
 
 
 def log_row_to_megatron_writers(row: dict):

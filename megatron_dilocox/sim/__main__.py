@@ -37,7 +37,8 @@ HELP = {
     "h": "inner steps per round", "rank": "low-rank rank", "bits": "quantization bits: 1, 4, 8, 16, 32",
     "block": "values per quantization block", "min_dim": "matrices with min(rows, cols) below this go whole",
     "lowrank": "low-rank compression", "sparse_k": "sparse exchange: top k of every --sparse-chunk values (0: off)",
-    "sparse_chunk": "sparse exchange: values per chunk", "lowrank_basis": "local or shared (--dilocox-lowrank-basis)", "overlap": "eager, one-step-delay or none",
+    "sparse_chunk": "sparse exchange: values per chunk", "lowrank_basis": "local or shared (--dilocox-lowrank-basis)",
+    "overlap": "eager, one-step-delay or none",
     "outer_momentum": "outer momentum (0: no momentum buffer)", "outer_state_device": "cpu or param",
     "allreduce_bits": "gradient bits of the AllReduce baseline: 32 (fp32) or 16 (bf16)",
     "scheme": "summable payloads between clusters: reduce-scatter + all-gather (about 2(C-1)/C of a payload "

@@ -57,7 +57,8 @@ def choose(s: Setup, target: float = 0.9, h_max: Optional[int] = None, margin: f
         c = replace(c, h=min(max(s.h, need), max(h_max or s.h, s.h)))
         p = predict(c)
         x, ceiling = p["methods"]["dilocox"], p["methods"]["ceiling"]["tokens_per_s"]
-        rows.append({"codec": name, "h": c.h, "bytes_per_site": x["bytes_per_cluster"], "comm_seconds": x["comm_seconds"],
+        rows.append({"codec": name, "h": c.h, "bytes_per_site": x["bytes_per_cluster"],
+                     "comm_seconds": x["comm_seconds"],
                      "exposed_seconds": x["exposed_seconds"], "of_ceiling": x["tokens_per_s"] / ceiling,
                      "tokens_per_s": x["tokens_per_s"], "loss_vs_int4_pct": measured_loss(name, c),
                      # one site's payload per parameter (what one peer receives from it: the round at C = 2)
