@@ -164,8 +164,10 @@ fi
 # ---- nodes, ports, secret
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 [ "${#NODES[@]}" -eq "$NNODES" ] || die "scontrol show hostnames gave ${#NODES[@]} nodes for '$SLURM_JOB_NODELIST', expected $NNODES"
-# rendezvous = base, cluster block b = base + 1 + b; different jobs sharing a host get different ports
-PORT_BASE=${DILOCOX_PORT_BASE:-$((15000 + (SLURM_JOB_ID * (C + 1)) % 45000))}
+# rendezvous = base, cluster block b = base + 1 + b; different jobs sharing a host get different ports, all
+# below Linux's default ephemeral range (32768-60999): a derived port there could already be the local end of
+# some outgoing connection on the node (torchrun then stops with EADDRINUSE)
+PORT_BASE=${DILOCOX_PORT_BASE:-$((15000 + (SLURM_JOB_ID * (C + 1)) % (32768 - 15000 - C - 1)))}
 if [ "$DILOCOX_MODE" = single ] && [ "$DILOCOX_COORDINATOR" = embedded ]; then
   DILOCOX_RENDEZVOUS=${NODES[0]}:$PORT_BASE
   if [ -z "${DILOCOX_SECRET:-}" ]; then

@@ -335,7 +335,7 @@ def test_gpu_nodes_one_process_per_gpu_no_cpu_flags(fake_data, tmp_path, coordin
     assert args[6:8] == ["bash", "-c"]
     megatron = args[9:]
     assert "--bf16" in megatron and "gloo" not in megatron and "--transformer-impl" not in megatron
-    port = 15000 + (77 * 3) % 45000
+    port = 15000 + (77 * 3) % (32768 - 15000 - 3)  # below the ephemeral range
     if coordinator == "standalone":
         assert megatron[megatron.index("--dilocox-rendezvous") + 1] == "login1:29400,login2:29400"
         assert megatron[megatron.index("--dilocox-coordinator") + 1] == "standalone"
