@@ -153,7 +153,8 @@ class DiLoCoXConfig:
                                    "send the matrices whole (quantized) when that transfer takes at most half of "
                                    "--dilocox-overlap-steps (or --dilocox-h-min) inner steps; with adaptive H and "
                                    "τ, first lengthen the rounds (up to --dilocox-h-max) until it does; else the "
-                                   "largest rank that does (docs/convergence.md)")
+                                   "largest rank that does, or with --dilocox-sparse-k a sparse round "
+                                   "(docs/convergence.md)")
     lowrank_basis: str = knob("local", "local: each cluster sends its own best rank-r factors (subspace iteration, "
                                         "all-gathered); shared: PowerSGD's one power iteration in a basis all "
                                         "clusters share (docs/convergence.md)")
@@ -168,8 +169,9 @@ class DiLoCoXConfig:
     quant_block_size: int = knob(128, "values per quantization block (one fp32 scale each)")
     sparse_k: int = knob(0, "sparse exchange: every chunk of --dilocox-sparse-chunk values of a tensor sends its k "
                             "largest entries (of δ + e) with one sign bit each and 4 magnitudes per chunk, "
-                            "all-gathered; replaces low rank and --dilocox-quant-bits; 0: off "
-                            "(docs/algorithm.md#sparse-exchange)")
+                            "all-gathered; replaces low rank. Under --dilocox-link-budget a round goes sparse "
+                            "only when the link cannot carry it whole (int4) within --dilocox-h-max steps, else "
+                            "every round; 0: off (docs/algorithm.md#sparse-exchange)")
     sparse_chunk: int = knob(4096, "values per chunk of the sparse exchange (at most 32768; a tensor's last chunk "
                                    "is shorter)")
     seed: int = knob(1234, "seed shared by all clusters (warm-start Q)")
@@ -388,9 +390,10 @@ class DiLoCoXConfig:
             if not self.sparse_k <= self.sparse_chunk <= MAX_CHUNK:
                 fail("sparse_chunk", f"must lie within [--dilocox-sparse-k, {MAX_CHUNK}] = [{self.sparse_k}, "
                                      f"{MAX_CHUNK}] (an index is 16 bits), got {self.sparse_chunk}")
-            if self.exchange_scheme == "reduce-scatter":
+            if self.exchange_scheme == "reduce-scatter" and not self.link_sizes_rounds:
                 fail("exchange_scheme", "reduce-scatter sums payloads on the way, and sparse payloads (each site's "
-                                        "own indices) cannot be summed: leave it auto, or drop --dilocox-sparse-k")
+                                        "own indices) cannot be summed; without the link budget every round is "
+                                        "sparse: leave it auto, or drop --dilocox-sparse-k")
         if self.per_site_h:
             if not self.adaptive_h:
                 fail("per_site_h", "needs --dilocox-adaptive-h (per-site H follows the measured step times)")
@@ -411,6 +414,12 @@ class DiLoCoXConfig:
     def addresses(self) -> list[str]:
         """--dilocox-rendezvous as a list: the coordinator first, then any standby."""
         return [a.strip() for a in (self.rendezvous or "").split(",") if a.strip()]
+
+    @property
+    def link_sizes_rounds(self) -> bool:
+        """--dilocox-link-budget in effect: only an overlapped round can hide its transfer, and the budget picks
+        among the ranks adaptive rank may take (outer/sync.py)."""
+        return self.link_budget and self.overlap != "none" and self.adaptive_rank
 
     @property
     def compresses(self) -> bool:

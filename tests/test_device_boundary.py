@@ -95,7 +95,7 @@ SETTINGS = {  # three sites, so the default scheme is the reduce-scatter; every 
     "defaults": {},  # low rank, int4
     "int4-whole-outer-state-on-device": dict(lowrank=False, outer_state_device="param"),
     "fp32-two-fragments": dict(quant_bits=32, lowrank=False, fragments=2, overlap="one-step-delay"),
-    "sparse": dict(sparse_k=8, sparse_chunk=128),  # (all-gathered whatever the scheme)
+    "sparse": dict(sparse_k=8, sparse_chunk=128, link_budget=False),  # every round sparse (all-gathered)
 }
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dilocox.compression.codec import ExchangeResult, PseudoGradientCodec
+from megatron_dilocox.compression.codec import SPARSE, ExchangeResult, PseudoGradientCodec
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer import plan
 from megatron_dilocox.outer.cluster import SingleRank
@@ -124,3 +124,22 @@ def test_later_fragments_take_fragment_0s_h_and_go_whole_with_it():
     h, rank, tau = plan.next_round(follower, result)
     expected = largest_rank_within(follower.codec, 10 / (1 + LINK_MARGIN) / 3 * STEP, result.peer_seconds_per_byte)
     assert 0 < expected and (h, rank, tau) == (10, expected, 10)
+
+
+@pytest.mark.parametrize("whole_steps,h_max", [(43.0, 100), (200.0, 100), (430.0, 40), (50.0, 40)])
+def test_sparse_k_takes_the_place_of_low_rank_its_round_lengthened_until_it_hides(whole_steps, h_max):
+    """--dilocox-sparse-k 8 of 512: whole while it hides within H max (as without it); beyond, a sparse round
+    (rank -1) whose H stretches to ceil(its transfer in steps x (1 + LINK_MARGIN)), at least the H asked for and at
+    most H max (where part of the transfer shows); τ as adaptive τ sizes the sparse transfer."""
+    sync = planner(h_max=h_max, sparse_k=8, sparse_chunk=512)
+    codec = sync.codec
+    assert not codec.groups and codec.rank == SPARSE
+    result = landed(codec, whole_steps)
+    h, rank, tau = plan.next_round(sync, result)
+    if whole_steps * (1 + LINK_MARGIN) <= h_max:
+        assert (h, rank) == (math.ceil(whole_steps * (1 + LINK_MARGIN)), 0)
+        return
+    sparse_steps = codec.round_bytes(SPARSE, 2) * result.peer_seconds_per_byte / STEP
+    assert sparse_steps < whole_steps / 6  # (per 512 values 8 x 17 bits + 4 levels x 32: 0.52 bits a value, not 4.25)
+    expected = min(max(10, math.ceil(sparse_steps * (1 + LINK_MARGIN))), h_max)
+    assert (h, rank) == (expected, SPARSE) and tau == min(expected, max(1, math.ceil(sparse_steps * 2)))

@@ -7,8 +7,9 @@ import torch
 
 from megatron_dilocox.compression.auth import TAG_BYTES
 from megatron_dilocox.compression.averaging import PayloadError
-from megatron_dilocox.compression.codec import HEADER_BYTES, PseudoGradientCodec
+from megatron_dilocox.compression.codec import HEADER_BYTES, SPARSE, PseudoGradientCodec
 from megatron_dilocox.compression.collective import SoloCollective
+from megatron_dilocox.compression.quantize import payload_bytes
 from megatron_dilocox.compression.sparse import LEVELS, SparsePayloadError, SparsePlan
 from megatron_dilocox.config import DiLoCoXConfig, DiLoCoXConfigError
 from megatron_dilocox.metrics import read_rows
@@ -200,23 +201,57 @@ def test_a_sparse_payload_that_does_not_decode_is_refused_naming_its_sender():
 
 
 @pytest.mark.unit
+def test_error_feedback_carries_across_whole_and_sparse_rounds():
+    """One slab, one e, whichever round: a whole round (the link budget's rank 0) leaves e = M − its int4 payload,
+    the sparse round after it sends the top-k of δ + that e and leaves e = M − sent; bitwise, against an int4-whole
+    codec run alongside and the sparse codec's own plan."""
+    shapes = [torch.Size(s) for s in [(8, 16), (20,)]]
+    codec = PseudoGradientCodec(shapes, DiLoCoXConfig(sparse_k=4, sparse_chunk=32).validate())
+    int4 = PseudoGradientCodec(shapes, DiLoCoXConfig(lowrank=False).validate())
+    g = torch.Generator().manual_seed(3)
+    codec.set_rank(0, 1)
+    d1 = [torch.randn(s, generator=g) for s in shapes]
+    out, ref = codec.exchange(d1, SoloCollective(), 1), int4.exchange(d1, SoloCollective(), 1)
+    assert out.rank == 0 and all(torch.equal(a, b) for a, b in zip(out.deltas, ref.deltas))
+    assert all(torch.equal(a, b) for a, b in zip(codec.error, int4.error))
+    codec.set_rank(SPARSE, 2)
+    d2 = [torch.randn(s, generator=g) for s in shapes]
+    m = torch.cat([(d + e).reshape(-1) for d, e in zip(d2, codec.error)])
+    where, values = codec.sparse.decode(codec.sparse.encode(m.clone()))
+    sent = torch.zeros_like(m).index_add_(0, where, values)
+    out = codec.exchange(d2, SoloCollective(), 2)
+    assert out.rank == SPARSE and torch.equal(torch.cat([t.reshape(-1) for t in out.deltas]), sent)
+    assert torch.equal(torch.cat([e.reshape(-1) for e in codec.error]), m - sent)
+
+
+@pytest.mark.unit
 def test_sparse_settings_are_checked_and_change_the_layout_hash():
     for kw, match in [(dict(sparse_k=64, sparse_chunk=32), "sparse-chunk"),
                       (dict(sparse_k=8, sparse_chunk=65536), "sparse-chunk"),
                       (dict(sparse_k=-1), "sparse-k"),
-                      (dict(sparse_k=8, exchange_scheme="reduce-scatter"), "cannot be summed")]:
+                      (dict(sparse_k=8, exchange_scheme="reduce-scatter", link_budget=False), "cannot be summed"),
+                      (dict(sparse_k=8, exchange_scheme="reduce-scatter", overlap="none"), "cannot be summed")]:
         with pytest.raises(DiLoCoXConfigError, match=match):
             DiLoCoXConfig(**kw).validate()
+    # under the link budget the rounds that go whole may be reduce-scattered
+    DiLoCoXConfig(sparse_k=8, exchange_scheme="reduce-scatter").validate()
     shapes = [torch.Size([64, 64])]
     hashes = {PseudoGradientCodec(shapes, DiLoCoXConfig(**kw).validate()).layout_hash
               for kw in [{}, dict(sparse_k=8), dict(sparse_k=16), dict(sparse_k=8, sparse_chunk=256)]}
     assert len(hashes) == 4
-    # with sparse payloads every round is one all-gather, whatever the number of clusters
-    codec = PseudoGradientCodec(shapes, DiLoCoXConfig(sparse_k=8, sparse_chunk=256, num_clusters=4, cluster_id=0,
-                                                      rendezvous="h:1", secret="s").validate())
-    assert codec.scheme_at(4, True) == "all-gather"
-    assert codec.round_bytes(codec.rank, 4) == 3 * (HEADER_BYTES + TAG_BYTES) + 3 * (
+    # a sparse round is one all-gather, whatever the number of clusters; a round that goes whole (the link budget)
+    # is int4 whole's, by its scheme (from three clusters on the reduce-scatter)
+    kw = dict(num_clusters=4, cluster_id=0, rendezvous="h:1", secret="s")
+    codec = PseudoGradientCodec(shapes, DiLoCoXConfig(sparse_k=8, sparse_chunk=256, **kw).validate())
+    assert codec.rank == SPARSE and codec.scheme_at(4, True) == "reduce-scatter"
+    assert codec.round_bytes(SPARSE, 4) == 3 * (HEADER_BYTES + TAG_BYTES) + 3 * (
         expected_bytes([4096], 8, 256) + TAG_BYTES)
+    int4_whole = PseudoGradientCodec(shapes, DiLoCoXConfig(lowrank=False, **kw).validate())
+    assert codec.round_bytes(0, 4) == int4_whole.round_bytes(0, 4) and codec.payload_sizes(0) == int4_whole.payload_sizes(0)
+    with pytest.raises(ValueError, match="negative"):
+        codec.set_rank(-2, 1)
+    with pytest.raises(ValueError, match="sparse round needs"):
+        int4_whole.set_rank(SPARSE, 1)
 
 
 @pytest.mark.core
@@ -224,11 +259,12 @@ def test_sparse_settings_are_checked_and_change_the_layout_hash():
 def test_sparse_rounds_agree_bitwise_across_real_processes_and_bytes_are_the_closed_form(tmp_path, C):
     """Real processes, one gloo group between clusters: every row the same global-model hash on every cluster,
     final parameters bitwise equal, one all-gather of the closed-form payload per round (three clusters too, where
-    the default scheme would reduce-scatter summable payloads), with unequal token weights at C = 3."""
+    the default scheme would reduce-scatter summable payloads), with unequal token weights at C = 3. Every round
+    sparse: without the link budget (with it, loopback would carry these rounds whole: the next test)."""
     k, chunk = 8, 128
     tokens = {"0": 1.0, "1": 2.0, "2": 3.0} if C == 3 else {}
     res = train_clusters(C, steps=8, metrics_dir=str(tmp_path), tokens_by_cluster=tokens,
-                         dilocox=dilocox_spec(C, h=2, sparse_k=k, sparse_chunk=chunk))
+                         dilocox=dilocox_spec(C, h=2, sparse_k=k, sparse_chunk=chunk, link_budget=False))
     assert_no_errors(res)
     rows = [read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C)]
     assert all(len(r) == 4 for r in rows) and len({r["global_model_hash"] for r in rows[0]}) == 4
@@ -241,3 +277,38 @@ def test_sparse_rounds_agree_bitwise_across_real_processes_and_bytes_are_the_clo
             assert 0 < r["compression_rel_error"] < 1
     finals = [res[(c, 0)]["final_params"] for c in range(C)]
     assert all(torch.equal(x, y) for other in finals[1:] for x, y in zip(finals[0], other))
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("link", ["fast", "high-latency", "turns-slow"])
+def test_under_the_link_budget_rounds_go_whole_on_a_fast_link_and_sparse_on_a_slow_one(tmp_path, link):
+    """The defaults with --dilocox-sparse-k: the link budget sends a round whole (int4, the int4-whole bytes) when
+    the measured link carries it in the steps it has to hide in, else sparse (instead of low rank). Loopback moves
+    these few KiB in well under a millisecond: every round whole, round 1 included (the start-up probe). An
+    all-gather delayed 0.5 s (latency: the rule scales the measured time with the bytes, and whole would take
+    longer than the 0.15 s a round of H = 3 steps of 0.1 s may take): every round sparse, round 1 included. A link
+    that turns slow after round 3 (from the 8th all-gather: the probe, then a header and a payload per round):
+    whole rounds, then sparse ones to the end, e carried across. Bytes equal each row's closed form; every row the
+    same hash on both clusters; final parameters bitwise equal."""
+    C, k, chunk, block = 2, 8, 128, 32
+    res = train_clusters(C, steps=24, step_sleep=0.1, metrics_dir=str(tmp_path),
+                         slow_gather=0.0 if link == "fast" else 0.5, slow_gather_from=8 if link == "turns-slow" else 1,
+                         dilocox=dilocox_spec(C, h=3, sparse_k=k, sparse_chunk=chunk, quant_block_size=block,
+                                              overlap="one-step-delay"))
+    assert_no_errors(res)
+    rows = [read_rows(tmp_path / f"metrics_c{c}.jsonl") for c in range(C)]
+    numels = [HIDDEN * IN, HIDDEN, OUT * HIDDEN, OUT]
+    sparse = (C - 1) * (HEADER_BYTES + TAG_BYTES + expected_bytes(numels, k, chunk) + TAG_BYTES)
+    whole = (C - 1) * (HEADER_BYTES + TAG_BYTES + payload_bytes(sum(numels), 4, block) + TAG_BYTES)
+    assert len(rows[0]) == 8
+    kinds = [bool(r["sparse_k"]) for r in rows[0]]
+    assert kinds == {"fast": [False] * 8, "high-latency": [True] * 8}.get(link, kinds), kinds
+    if link == "turns-slow":  # whole while the link is fast, sparse once it is slow, never back
+        assert kinds[:3] == [False] * 3 and kinds[-1] and kinds == sorted(kinds), kinds
+    for a, b in zip(*rows):
+        assert a["global_model_hash"] == b["global_model_hash"] and a["status"] == b["status"] == "applied"
+        for r in (a, b):
+            assert (r["quant_bits"], r["bytes_sent"]) == ((1, sparse) if r["sparse_k"] == k else (4, whole)), r
+            assert r["sparse_k"] in (0, k)
+    finals = [res[(c, 0)]["final_params"] for c in range(C)]
+    assert all(torch.equal(x, y) for x, y in zip(*finals))

@@ -88,12 +88,15 @@ def train_one_cluster(steps, dilocox=None, inner="adam", save_at=None, load=None
 
 
 class SlowGroup(InterClusterGroup):
-    """The real gloo group with added latency per all-gather: stands in for a slow WAN link."""
+    """The real gloo group with added latency per all-gather from the ``start``-th on (1: every one): stands in for a
+    slow WAN link, or one that turns slow mid-run."""
 
-    delay = 0.0
+    delay, start, calls = 0.0, 1, 0
 
     def _all_gather(self, buf):
-        time.sleep(self.delay)
+        SlowGroup.calls += 1
+        if SlowGroup.calls >= SlowGroup.start:
+            time.sleep(self.delay)
         return super()._all_gather(buf)
 
 
@@ -211,7 +214,7 @@ def train_worker(slot: int, local_rank: int, spec: dict) -> dict:
     CorruptingGroup.from_cluster = rest[0] if rest else None
     ReplayingGroup.to_cluster = spec.get("replay_payload", -1)
     DyingOwnerGroup.die_cluster, DyingOwnerGroup.at_call = spec.get("die_in_all_to_all", (-1, 0))
-    SlowGroup.delay = spec.get("slow_gather", 0.0)
+    SlowGroup.delay, SlowGroup.start = spec.get("slow_gather", 0.0), spec.get("slow_gather_from", 1)
     FlakyGroup.fail_cluster, FlakyGroup.fail_at = spec.get("fail_gather", (-1, 0))
     fingerprint = dict(spec.get("fingerprint", {}), **spec.get("fingerprint_by_cluster", {}).get(str(cluster), {}))
     group = group_cls(cfg, local_rank, store, fingerprint=fingerprint,

@@ -78,7 +78,7 @@ class ClusterAverage:
         two the bytes are equal and the all-gather needs no second quantization), and for fp32 whenever the
         messages are authenticated (an all-reduce cannot carry the senders' tags)."""
         bits, choice = self.cfg.quant_bits, self.cfg.exchange_scheme
-        if clusters <= 1 or bits not in SUMMABLE_BITS or self.cfg.sparse_k:  # (sparse: compression/sparse.py)
+        if clusters <= 1 or bits not in SUMMABLE_BITS:  # (a sparse round is all-gathered: compression/sparse.py)
             return "all-gather"
         if choice == "auto":
             return "reduce-scatter" if clusters >= 3 or (bits == 32 and authenticated) else "all-gather"

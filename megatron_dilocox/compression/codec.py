@@ -11,8 +11,9 @@ Per rank the codec owns the error-feedback buffers e and the warm-start Q of eve
     phase 2: Q' = M^T P^, quantized, averaged in fp32  (+ energy statistics for adaptive rank)
     Δ = P^ mean(Q')^T  and  mean(whole);   e = M - (what this cluster actually transmitted)
 
-Under ``--dilocox-sparse-k`` every tensor is in the one flat slab and the round is compression/sparse.py's: one
-all-gather of each cluster's top-k entries, summed in member order.
+Under ``--dilocox-sparse-k`` every tensor is in the one flat slab, and a round at rank SPARSE is compression/sparse.py's:
+one all-gather of each cluster's top-k entries, summed in member order; under the link budget the other rounds go
+whole (rank 0), on the same slab and the same e (outer/plan.py chooses, docs/algorithm.md#sparse-exchange).
 
 At rank 0 (``--dilocox-link-budget`` chose it: the link carries the matrices whole) every slab is sent whole,
 quantized, in phase 1 alone; Q is kept as the warm start for when a rank returns.
@@ -69,6 +70,7 @@ HEADER_FIELDS = ("magic", "round", "layout", "rank", "ok", "comm_seconds", "step
                  "seconds_per_byte", "tokens", "state_hash", "steps", "end_request", "plan_left")
 _F = {name: i for i, name in enumerate(HEADER_FIELDS)}
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
+SPARSE = -1  # the "rank" of a sparse round (--dilocox-sparse-k): the header's rank field, the plan's, the checkpoint's
 
 
 @dataclass
@@ -115,7 +117,7 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
         self.shapes = [torch.Size(s) for s in shapes]
         self.numels = [s.numel() for s in self.shapes]
         self.device = torch.device(device)
-        self.rank = config.lowrank_rank
+        self.rank = SPARSE if config.sparse_k else config.lowrank_rank
         self.groups, self.whole = split_layout(self.shapes, config)
         if config.sparse_k:  # (every tensor whole, in one flat slab: split_layout leaves no low-rank group)
             self.sparse = SparsePlan(self.numels, config.sparse_k, config.sparse_chunk, self.device)
@@ -143,10 +145,10 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
 
     def payload_sizes(self, rank: Optional[int] = None) -> tuple[int, int]:
         """Bytes this rank contributes to phase 1 and phase 2 at ``rank`` (closed form; rank 0: every matrix
-        sent whole, in phase 1; under --dilocox-sparse-k the sparse payload, whatever the rank)."""
-        if self.sparse is not None:
-            return self.sparse.payload_bytes, 0
+        sent whole, in phase 1; SPARSE: the sparse payload)."""
         r = self.rank if rank is None else rank
+        if r == SPARSE:
+            return self.sparse.payload_bytes, 0
         bits, block = self.cfg.quant_bits, self.cfg.quant_block_size
         whole = sum(self.numels[i] for i in self.whole)
         if r == 0:
@@ -165,7 +167,7 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
         return self._one_phase_at(self.rank)
 
     def _one_phase_at(self, rank: int) -> bool:
-        return self.sparse is not None or (bool(self.groups) and self.cfg.lowrank_basis == "local" and rank != 0)
+        return rank == SPARSE or (bool(self.groups) and self.cfg.lowrank_basis == "local" and rank != 0)
 
     def round_bytes(self, rank: int, clusters: int, member: Optional[int] = None) -> int:
         """Bytes this rank sends in one round at ``rank`` (closed form: the header, then the payload messages by
@@ -213,14 +215,20 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
         return max(cap, self.rank)
 
     def set_rank(self, rank: int, round_idx: int):
-        """Rank 0 sends the matrices whole and keeps Q as it is, the warm start for when the rank returns."""
+        """Rank 0 sends the matrices whole and keeps Q as it is, the warm start for when the rank returns; SPARSE
+        (under --dilocox-sparse-k) sends the sparse payload of the same slab, e carried across."""
+        if rank == SPARSE and self.sparse is None or rank != SPARSE and rank < 0:
+            raise ValueError(f"rank {rank}: a sparse round needs --dilocox-sparse-k, and no other rank is negative")
         if rank != self.rank:
-            if rank:
+            if rank > 0:
                 self.q = [lowrank.resize_q(q, rank, self.cfg.seed, gi, round_idx) for gi, q in enumerate(self.q)]
             self.rank = rank
 
     def link_rank(self, seconds: float, seconds_per_byte: float, clusters: int) -> int:
-        """--dilocox-link-budget: the rank (0: whole) whose round the measured link carries in ``seconds``."""
+        """--dilocox-link-budget: the rank (0: whole) whose round the measured link carries in ``seconds``; under
+        --dilocox-sparse-k whole when the link carries it, else SPARSE."""
+        if self.sparse is not None:
+            return 0 if self.round_bytes(0, clusters) * seconds_per_byte <= seconds else SPARSE
         return adaptive.choose_rank_for_link(lambda r: self.round_bytes(r, clusters), seconds, seconds_per_byte,
                                              self.rank, self.cfg.resolved_rank_min, self._rank_cap(clusters, budget=False))
 
@@ -310,7 +318,8 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
         result.member_index, result.member_step_seconds = coll.rank, [float(h[6]) for h in headers]
         result.state_hashes = [int(h[9]) for h in headers]
         self._scales = self._weight_scales(result.weights)
-        if link_steps > 0 and self.groups and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
+        if link_steps > 0 and (self.groups or self.sparse is not None) and result.peer_seconds_per_byte > 0 \
+                and result.peer_step_seconds > 0:
             self.set_rank(self.link_rank(link_steps * result.peer_step_seconds, result.peer_seconds_per_byte, C),
                           round_idx)
             result.rank = result.next_rank = self.rank
@@ -318,8 +327,8 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
         if bad:
             return finish(f"refused: non-finite pseudo-gradient from cluster(s) {bad}")
 
-        G = len(self.groups) if self.rank else 0  # rank 0: the matrices travel whole, like the small tensors
-        if self.sparse is not None:
+        G = len(self.groups) if self.rank > 0 else 0  # rank 0: the matrices travel whole, like the small tensors
+        if self.rank == SPARSE:
             refused, out, e_sq = self._exchange_sparse(M, coll)
             return finish(refused) if refused else self._commit(M, out, e_sq, m_sq, result, finish)
         if self.one_phase:
@@ -385,7 +394,7 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
                             "layout": "has a different parameter layout or compression settings "
                                       "(shapes, --dilocox-quant-bits/-block-size, --dilocox-lowrank*, "
                                       "--dilocox-sparse-*)",
-                            "rank": f"uses low-rank rank {int(h[k])}, this cluster (#{my_rank}) {int(mine[k])}"}[name]
+                            "rank": f"sends {_round_kind(h[k])}, this cluster (#{my_rank}) {_round_kind(mine[k])}"}[name]
                     raise PayloadError(f"refused payload: cluster {c} {what}; nothing was applied")
             if not (math.isfinite(float(h[8])) and float(h[8]) > 0):
                 raise PayloadError(f"refused payload: cluster {c} reports {float(h[8])} tokens for its round "
@@ -423,6 +432,11 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
         self.rank = int(state["rank"])
         self.error = state["error"]
         self.q = [q.to(self.device, torch.float32).clone() for q in state["q"]]
+
+
+def _round_kind(rank) -> str:
+    rank = int(rank)
+    return "sparse" if rank == SPARSE else "whole" if rank == 0 else f"low-rank rank {rank}"
 
 
 def _residual_sq(m_sq: float, p: torch.Tensor, qt_local: torch.Tensor, qt_sent: torch.Tensor) -> float:

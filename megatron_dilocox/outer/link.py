@@ -62,9 +62,9 @@ def agree_on_cluster(intra: IntraCluster, h: int, rank: int, tau: int, by_bytes:
     """One H, rank and τ for every rank of a cluster (they step together): the largest H and τ. The rank: the
     largest, except under the link budget (``by_bytes``), where each rank proposed what *its* transfer over
     the shared link carries: then the cluster takes the one that sends the fewest bytes (whole = 0 sends the
-    most), so no rank's transfer outgrows the time it has to hide in. ``shared``: more counts agreed the same
-    way (the largest), appended to the result; one reduction for all."""
-    level = rank if rank > 0 or not by_bytes else WHOLE_LEVEL
+    most, a sparse round, rank -1, the fewest), so no rank's transfer outgrows the time it has to hide in.
+    ``shared``: more counts agreed the same way (the largest), appended to the result; one reduction for all."""
+    level = WHOLE_LEVEL if rank == 0 and by_bytes else rank
     h, neg_level, tau, *more = intra.reduce([h, -level if by_bytes else level, tau, *shared], "max")
     rank = int(neg_level) if not by_bytes else (0 if -neg_level >= WHOLE_LEVEL else int(-neg_level))
     return (int(h), rank, int(tau), *map(int, more))

@@ -9,6 +9,7 @@ import math
 from typing import Optional
 
 from megatron_dilocox.compression import adaptive
+from megatron_dilocox.compression.codec import SPARSE
 from megatron_dilocox.outer.link import LINK_MARGIN, agree_on_cluster
 
 # τ leaves twice the measured transfer: τ is sized from a transfer one round old (as H is), and a wait at τ
@@ -74,16 +75,15 @@ def next_round(sync, result) -> tuple[int, int, int]:
                               cfg.adaptive_h_margin, cfg.resolved_h_min, cfg.resolved_h_max)
     tau = landing_step(sync, result, h, prev_tau)
     rank = result.next_rank
-    if sync.link_budget and not sync.codec.groups:
+    if sync.link_budget and not sync.codec.groups and sync.codec.sparse is None:
         rank = 0  # nothing low-rank on this rank: whole, i.e. no say in the cluster's choice below
     elif sync.link_budget and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
         whole = whole_round(sync, result)
-        if whole is not None:  # sent whole, in a round long enough to hide it
-            if whole[0] > h:  # the round and its landing stretch to the whole transfer
-                h, tau = whole
-            rank = 0
-        else:
-            rank = budget_rank(sync, result)
+        rank = 0 if whole is not None else budget_rank(sync, result)
+        if rank == SPARSE:  # --dilocox-sparse-k: sparse where low rank would be cut, sized as whole would be
+            whole = hiding_round(sync, result, SPARSE, cap=True)
+        if whole is not None and whole[0] > h:  # the round and its landing stretch to the transfer
+            h, tau = whole
     shared = (h, tau)
     if cfg.per_site_h:
         h, tau = per_site(result, h, tau)
@@ -151,13 +151,30 @@ def follow(sync, result) -> tuple[int, int, int]:
     rank = result.next_rank
     if sync.link_budget:
         rank = 0
-        if lead_rank != 0 and sync.codec.groups and result.peer_seconds_per_byte > 0 \
+        if lead_rank != 0 and (sync.codec.groups or sync.codec.sparse is not None) \
+                and result.peer_seconds_per_byte > 0 \
                 and result.peer_step_seconds > 0:
             rank = budget_rank(sync, result)
     h, rank, tau, *shared = agree_on_cluster(sync.intra, h, rank, tau, by_bytes=sync.link_budget,
                                              shared=(shared_h, shared_tau))
     sync.shared = (shared[0], min(shared[1], shared[0]))
     return h, rank, min(tau, h)
+
+
+def hiding_round(sync, result, rank: int, cap: bool = False) -> Optional[tuple[int, int]]:
+    """(H, τ) at which this rank's round at ``rank`` hides on the measured link (H: its transfer in H / (1 +
+    LINK_MARGIN) steps; τ: as adaptive τ sizes it, at most H), when adaptive H and τ may go there; beyond
+    --dilocox-h-max: None, or (``cap``) H max, where part of the transfer shows."""
+    cfg = sync.cfg
+    if not (cfg.adaptive_h and cfg.overlap_steps == 0):
+        return None  # a fixed τ must hide the transfer in τ steps, however long the round
+    seconds = sync.codec.round_bytes(rank, result.num_clusters) * result.peer_seconds_per_byte
+    h = adaptive.steps_to_hide(seconds * sync.link_share, result.peer_step_seconds, LINK_MARGIN)
+    if h > cfg.resolved_h_max:
+        if not cap:
+            return None
+        h = cfg.resolved_h_max
+    return h, min(h, adaptive.steps_to_hide(seconds, result.peer_step_seconds, TAU_MARGIN))
 
 
 def whole_round(sync, result) -> Optional[tuple[int, int]]:
@@ -172,12 +189,9 @@ def whole_round(sync, result) -> Optional[tuple[int, int]]:
     On the ratio-325 link the rank-cut rounds (rank 9-16 at H = 10, error 0.84) ended level with no
     communication (+6.6%); whole first ran at H 81-108, +6.4%, faster and with fewer bytes. There the whole
     transfer fills most of the round, so each round lands at its end, which costs most of the gain
-    (benchmarks/NOTEBOOK.md, "Fewer rounds sent whole")."""
-    cfg = sync.cfg
-    if not (cfg.adaptive_h and cfg.overlap_steps == 0):
-        return None  # a fixed τ must hide the transfer in τ steps, however long the round
-    seconds = sync.codec.round_bytes(0, result.num_clusters) * result.peer_seconds_per_byte
-    h = adaptive.steps_to_hide(seconds * sync.link_share, result.peer_step_seconds, LINK_MARGIN)
-    if h > cfg.resolved_h_max:
-        return None
-    return h, min(h, adaptive.steps_to_hide(seconds, result.peer_step_seconds, TAU_MARGIN))
+    (benchmarks/NOTEBOOK.md, "Fewer rounds sent whole").
+
+    Under --dilocox-sparse-k a round that does not hide whole goes sparse instead of low rank (hiding_round sizes
+    it), as the codec choice (sim/codec_choice.py) ranks them: where the link carries int4 whole within
+    --dilocox-h-max it loses less than sparse at a shorter H (docs/convergence.md#the-codec-a-link-needs)."""
+    return hiding_round(sync, result, 0)

@@ -11,6 +11,8 @@ import logging
 
 import torch
 
+from megatron_dilocox.compression.codec import SPARSE
+
 log = logging.getLogger("megatron_dilocox")
 
 
@@ -36,8 +38,10 @@ def round_row(sync, r, exposed: float, h_used: int, rank_used: int) -> dict:
         "cluster": sync.cfg.cluster_id, "num_clusters": r.num_clusters, "status": r.status,
         "H": h_used, "next_H": sync.h,
         "lowrank_rank": rank_used if lowrank else 0, "next_lowrank_rank": sync.codec.rank if lowrank else 0,
-        # (sparse: one sign bit per value sent, its magnitude one of its chunk's levels: compression/sparse.py)
-        "quant_bits": 1 if sync.cfg.sparse_k else sync.cfg.quant_bits, "sparse_k": sync.cfg.sparse_k,
+        # (a sparse round: one sign bit per value sent, its magnitude one of its chunk's levels: compression/sparse.py;
+        # under the link budget a --dilocox-sparse-k run's other rounds go whole, sparse_k 0)
+        "quant_bits": 1 if rank_used == SPARSE else sync.cfg.quant_bits,
+        "sparse_k": sync.cfg.sparse_k if rank_used == SPARSE else 0,
         "bytes_sent": int(sums[0]), "bytes_received": int(sums[1]),
         "bytes_dense_fp32": int(sums[2]), "comm_seconds": maxes[0], "exposed_comm_seconds": maxes[1],
         "transfer_seconds": maxes[2],

@@ -100,7 +100,7 @@ class DiLoCoXSync:
         self.codec.fragment = fragment  # (its messages' tags name the fragment)
         self.delayed = config.overlap != "none"  # one-step-delay or eager: the exchange overlaps the next round
         # a synchronous round cannot hide its transfer, so only an overlapped one is sized to the link
-        self.link_budget = config.link_budget and self.delayed and config.adaptive_rank
+        self.link_budget = config.link_sizes_rounds
         self.eager = config.overlap == "eager"
         self.local_weight = config.resolved_local_weight  # w: 1 for one-step-delay, (1 + 1/C)/2 for eager
         self.correction: Optional[LocalCorrection] = None  # eager: this cluster's fresh-term proxy

@@ -76,7 +76,20 @@ def choose(s: Setup, target: float = 0.9, h_max: Optional[int] = None, margin: f
     else:
         best = max(rows, key=lambda r: r["of_ceiling"])
         why = f"no codec reaches {target:g} of the ceiling: the most tokens/s"
-    return {"chosen": best["codec"], "why": why, "target": target, "candidates": rows}
+    return {"chosen": best["codec"], "why": why, "target": target, "candidates": rows,
+            "flags": run_flags(best["codec"], max(h_max or s.h, s.h))}
+
+
+def run_flags(codec: str, h_max: int) -> str:
+    """The flags that make a run's link budget follow this choice (outer/plan.py): it sends a round whole when the
+    measured link carries it within --dilocox-h-max steps, else, with --dilocox-sparse-k, sparse at the shortest H
+    that hides it, else the rank the link carries: so on the link priced here a run takes the chosen codec, and
+    follows the link if it turns faster or slower."""
+    flags = f"--dilocox-h-max {h_max}"
+    if codec.startswith("sparse"):
+        k, chunk = codec.split()[1].split("/")
+        flags = f"--dilocox-sparse-k {k}" + ("" if chunk == "4096" else f" --dilocox-sparse-chunk {chunk}") + " " + flags
+    return flags
 
 
 def report(out: dict) -> list[str]:
@@ -89,4 +102,6 @@ def report(out: dict) -> list[str]:
                      f"{r['comm_seconds']:>9.0f}{r['exposed_seconds']:>10.0f}{r['of_ceiling']:>11.3f}{loss:>13}{mark}")
     lines.append(f"codec: {out['chosen']} ({out['why']}; losses at 1000 iterations, H = 10, two sites: "
                  "docs/convergence.md#the-codec-a-link-needs)")
+    lines.append(f"run with: {out['flags']} (the link budget sends whole when the link carries it within H max, else "
+                 f"{'sparse' if out['flags'].startswith('--dilocox-sparse') else 'low rank'}: outer/plan.py)")
     return lines

@@ -72,7 +72,9 @@ METHODS: dict[str, list[str] | None] = {  # name -> extra --dilocox flags (None:
     "int4_rs": [*INT4_WHOLE, "--dilocox-exchange-scheme", "reduce-scatter"],
     "int4_ag": [*INT4_WHOLE, "--dilocox-exchange-scheme", "all-gather"],
     "int4": list(INT4_WHOLE),  # int4 whole, the exchange scheme by default (all-gather at 2, reduce-scatter from 3)
-    "sparse": ["--dilocox-sparse-k", "64"],  # top 64 of every 4096 values (docs/algorithm.md#sparse-exchange)
+    # top 64 of every 4096 values, every round (under the link budget loopback would carry the rounds whole:
+    # docs/algorithm.md#sparse-exchange)
+    "sparse": ["--dilocox-sparse-k", "64", "--dilocox-no-link-budget"],
     "isolated": None,
 }
 DEFAULT_METHODS = "allreduce,diloco,diloco_comp,delay,dilocox"
