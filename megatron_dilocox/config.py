@@ -109,7 +109,7 @@ class DiLoCoXConfig:
                                        "fragments from the next boundary on, with one-step-delay (the state "
                                        "carried over exactly); 1: never. Only with adaptive τ (overlap-steps 0) "
                                        "and the link budget, and where fragments are allowed "
-                                       "(H min >= it)")
+                                       "(H min >= it); not with --dilocox-sparse-k")
     # (None, from Python: always at the boundary, timing-free)
     overlap_steps: Optional[int] = knob(0, "τ: the average of a round is applied τ inner steps into the next "
                                            "round (the local progress of those τ steps is kept on top of it). "

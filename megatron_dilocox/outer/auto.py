@@ -53,11 +53,12 @@ def make_sync(params, config: DiLoCoXConfig, *args, **kwargs):
 
 def fragments_config(config: DiLoCoXConfig, shapes) -> Optional[DiLoCoXConfig]:
     """The settings this run switches to on a slow link, or None when it never may: --dilocox-slow-link-fragments
-    1, no overlap (nothing to hide), no link budget (no rounds sent whole by measurement), a fixed τ, or
-    settings that fragments refuse (H min below F, too few rows)."""
+    1, no overlap (nothing to hide), no link budget (no rounds sent whole by measurement), a fixed τ, settings
+    that fragments refuse (H min below F, too few rows), or --dilocox-sparse-k (its link budget answers a slow link
+    with sparse rounds, which land early: plan.next_round; fragments of it are not measured)."""
     count = config.slow_link_fragments
     if count <= 1 or config.fragments > 1 or config.overlap == "none" or not config.link_budget \
-            or config.overlap_steps != 0 or config.exchange_layout == "canonical":
+            or config.overlap_steps != 0 or config.exchange_layout == "canonical" or config.sparse_k:
         return None  # (a fixed τ lands each fragment as late as the whole round: nothing to gain)
     fragmented = dataclasses.replace(config, fragments=count, overlap="one-step-delay")
     try:
