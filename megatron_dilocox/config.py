@@ -27,6 +27,11 @@ PARALLEL_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_s
                         "expert_tensor_parallel_size", "data_parallel_size", "use_distributed_optimizer",
                         "use_layer_wise_distributed_optimizer")
 SECRET_ENV = "DILOCOX_SECRET"
+# the link budget sizes a round's transfer to half the steps it has to hide in: the rate it scales comes from
+# earlier rounds' payloads and varies (a tbf bucket's burst, host load, the other cluster's compute); with the
+# adaptive-H margin (10%) instead, the ratio-325 link at H=10 exposed ~10% of wall time and H rose to 15. Here
+# (no torch) so that the codec choice (sim/codec_choice.py) sizes rounds as a run's link budget will
+LINK_MARGIN = 1.0
 # default --dilocox-h-max = this x --dilocox-h. Adaptive H may lengthen rounds this far; the link budget does so
 # to send them whole rather than cut the rank (outer/plan.py). On the ratio-325 link the main job's whole int4
 # round took 18.1 s of 0.316 s steps, so at --dilocox-h 10 it hides at H = 115 (4x left it at 40, with rank 24)
@@ -170,7 +175,7 @@ class DiLoCoXConfig:
     sparse_k: int = knob(0, "sparse exchange: every chunk of --dilocox-sparse-chunk values of a tensor sends its k "
                             "largest entries (of δ + e) with one sign bit each and 4 magnitudes per chunk, "
                             "all-gathered; replaces low rank. Under --dilocox-link-budget a round goes sparse "
-                            "only when the link cannot carry it whole (int4) within --dilocox-h-max steps, else "
+                            "only when the link cannot carry it whole within --dilocox-h-max steps; without it "
                             "every round; 0: off (docs/algorithm.md#sparse-exchange)")
     sparse_chunk: int = knob(4096, "values per chunk of the sparse exchange (at most 32768; a tensor's last chunk "
                                    "is shorter)")

@@ -126,7 +126,7 @@ def test_later_fragments_take_fragment_0s_h_and_go_whole_with_it():
     assert 0 < expected and (h, rank, tau) == (10, expected, 10)
 
 
-@pytest.mark.parametrize("whole_steps,h_max", [(43.0, 100), (200.0, 100), (430.0, 40), (50.0, 40)])
+@pytest.mark.parametrize("whole_steps,h_max", [(43.0, 100), (200.0, 100), (430.0, 40), (50.0, 40), (40.0, 40)])
 def test_sparse_k_takes_the_place_of_low_rank_its_round_lengthened_until_it_hides(whole_steps, h_max):
     """--dilocox-sparse-k 8 of 512: whole while it hides within H max (as without it); beyond, a sparse round
     (rank -1) whose H stretches to ceil(its transfer in steps x (1 + LINK_MARGIN)), at least the H asked for and at
@@ -135,6 +135,7 @@ def test_sparse_k_takes_the_place_of_low_rank_its_round_lengthened_until_it_hide
     codec = sync.codec
     assert not codec.groups and codec.rank == SPARSE
     result = landed(codec, whole_steps)
+    result.rank = 0  # the round that landed went whole: τ comes from the rate, not from that transfer
     h, rank, tau = plan.next_round(sync, result)
     if whole_steps * (1 + LINK_MARGIN) <= h_max:
         assert (h, rank) == (math.ceil(whole_steps * (1 + LINK_MARGIN)), 0)
@@ -143,3 +144,22 @@ def test_sparse_k_takes_the_place_of_low_rank_its_round_lengthened_until_it_hide
     assert sparse_steps < whole_steps / 6  # (per 512 values 8 x 17 bits + 4 levels x 32: 0.52 bits a value, not 4.25)
     expected = min(max(10, math.ceil(sparse_steps * (1 + LINK_MARGIN))), h_max)
     assert (h, rank) == (expected, SPARSE) and tau == min(expected, max(1, math.ceil(sparse_steps * 2)))
+
+
+def test_sparse_k_goes_whole_where_the_sparse_round_would_send_more():
+    """Sparse payloads are all-gathered ((C − 1) of them), int4 whole reduce-scattered from three sites on (about
+    2(C − 1)/C of one): at eight sites top 256 of 4096 (1.1 bits a value) outweighs int4 whole (about 4.25 x 2/8),
+    so the round stays whole however slow the link, at H max, rather than send more bytes and lose more."""
+    config = DiLoCoXConfig(num_clusters=8, h=10, h_max=40, sparse_k=256, sparse_chunk=4096)
+    codec = PseudoGradientCodec([torch.Size((1024, 4096))], config)
+    assert codec.round_bytes(SPARSE, 8, member=0) > codec.round_bytes(0, 8, member=0)
+    sync = SimpleNamespace(cfg=config, codec=codec, h=10, tau=10, intra=SingleRank(), link_budget=True,
+                           link_share=1.0, leader=None, shared=(10, 10), sent={}, shared_sent={})
+    spb = 80 * STEP / codec.round_bytes(0, 8, member=0)
+    result = ExchangeResult(round=3, deltas=None, status="applied", num_clusters=8, rank=0, next_rank=0,
+                            peer_seconds_per_byte=spb, peer_step_seconds=STEP, peer_comm_seconds=80 * STEP)
+    h, rank, _ = plan.next_round(sync, result)
+    assert (h, rank) == (40, 0)
+    assert codec.link_rank(10 * STEP, spb, 8) == 0
+    small = PseudoGradientCodec([torch.Size((1024, 4096))], DiLoCoXConfig(num_clusters=8, sparse_k=64))
+    assert small.link_rank(10 * STEP, spb, 8) == SPARSE  # top 64: fewer bytes than whole, so sparse

@@ -226,11 +226,16 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
 
     def link_rank(self, seconds: float, seconds_per_byte: float, clusters: int) -> int:
         """--dilocox-link-budget: the rank (0: whole) whose round the measured link carries in ``seconds``; under
-        --dilocox-sparse-k whole when the link carries it, else SPARSE."""
+        --dilocox-sparse-k whole when the link carries it or when the sparse round would send no fewer bytes (it
+        is all-gathered: from (C−1)·payload against about 2(C−1)/C for a reduce-scatter), else SPARSE. Sized as
+        member 0 of the group (a reduce-scatter's chunks differ by a block between members), so every cluster
+        decides alike from the same header figures."""
         if self.sparse is not None:
-            return 0 if self.round_bytes(0, clusters) * seconds_per_byte <= seconds else SPARSE
-        return adaptive.choose_rank_for_link(lambda r: self.round_bytes(r, clusters), seconds, seconds_per_byte,
-                                             self.rank, self.cfg.resolved_rank_min, self._rank_cap(clusters, budget=False))
+            whole = self.round_bytes(0, clusters, member=0)
+            fits = whole * seconds_per_byte <= seconds or self.round_bytes(SPARSE, clusters, member=0) >= whole
+            return 0 if fits else SPARSE
+        return adaptive.choose_rank_for_link(lambda r: self.round_bytes(r, clusters, member=0), seconds,
+                                             seconds_per_byte, self.rank, self.cfg.resolved_rank_min, self._rank_cap(clusters, budget=False))
 
     def _views(self, slabs) -> list:
         """Per-tensor views (parameter order) of slabs laid out as ``self._err``."""
@@ -429,7 +434,12 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
     def load_state_dict(self, state: dict):
         if len(state["error"]) != len(self.shapes) or len(state["q"]) != len(self.q):
             raise ValueError("DiLoCoX codec state does not match this model's parameter layout")
-        self.rank = int(state["rank"])
+        rank = int(state["rank"])
+        if self.sparse is not None and (rank > 0 or not self.cfg.link_sizes_rounds):
+            rank = SPARSE  # (a checkpoint of a sparse run from before whole rounds, which stored the low-rank rank)
+        if rank < 0 and (rank != SPARSE or self.sparse is None):
+            raise ValueError(f"DiLoCoX codec state has rank {rank}: a sparse round needs --dilocox-sparse-k")
+        self.rank = rank
         self.error = state["error"]
         self.q = [q.to(self.device, torch.float32).clone() for q in state["q"]]
 

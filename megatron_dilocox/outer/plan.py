@@ -80,8 +80,10 @@ def next_round(sync, result) -> tuple[int, int, int]:
     elif sync.link_budget and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
         whole = whole_round(sync, result)
         rank = 0 if whole is not None else budget_rank(sync, result)
-        if rank == SPARSE:  # --dilocox-sparse-k: sparse where low rank would be cut, sized as whole would be
-            whole = hiding_round(sync, result, SPARSE, cap=True)
+        if whole is None and sync.codec.sparse is not None:  # --dilocox-sparse-k: sparse where low rank would be
+            whole = hiding_round(sync, result, rank, cap=True)  # cut (or whole, where sparse sends no fewer bytes)
+            if whole is not None and rank != result.rank:  # τ from the rate, not from a transfer of the other kind
+                tau = min(h, whole[1])
         if whole is not None and whole[0] > h:  # the round and its landing stretch to the transfer
             h, tau = whole
     shared = (h, tau)
@@ -168,7 +170,7 @@ def hiding_round(sync, result, rank: int, cap: bool = False) -> Optional[tuple[i
     cfg = sync.cfg
     if not (cfg.adaptive_h and cfg.overlap_steps == 0):
         return None  # a fixed τ must hide the transfer in τ steps, however long the round
-    seconds = sync.codec.round_bytes(rank, result.num_clusters) * result.peer_seconds_per_byte
+    seconds = sync.codec.round_bytes(rank, result.num_clusters, member=0) * result.peer_seconds_per_byte
     h = adaptive.steps_to_hide(seconds * sync.link_share, result.peer_step_seconds, LINK_MARGIN)
     if h > cfg.resolved_h_max:
         if not cap:

@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     if args.plan or args.paper:
         out["plan"] = plan(s, h_min=args.h_min or s.h, h_max=args.h_max, margin=args.margin)
     if args.choose_codec:
-        out["codec_choice"] = codec_choice.choose(s, args.target, args.h_max, args.margin)
+        out["codec_choice"] = codec_choice.choose(s, args.target, args.h_max)
     if s.exchange_layout == "canonical":
         try:
             out["canonical"] = canonical.price(s, args.layouts)

@@ -21,6 +21,7 @@ import math
 from dataclasses import replace
 from typing import Optional
 
+from megatron_dilocox.config import LINK_MARGIN
 from megatron_dilocox.sim.cost_model import Setup, predict, round_bytes
 
 # loss at 1000 iterations, H = 10, against int4 whole at the same C (%), by (k, chunk) of the sparse codec
@@ -45,15 +46,18 @@ def measured_loss(name: str, c: Setup) -> Optional[float]:
     return 0.0 if name == "int4 whole" else LOSS_VS_INT4.get((c.sparse_k, c.sparse_chunk))
 
 
-def choose(s: Setup, target: float = 0.9, h_max: Optional[int] = None, margin: float = 0.1) -> dict:
+def choose(s: Setup, target: float = 0.9, h_max: Optional[int] = None) -> dict:
     """Every candidate priced, the chosen one, and why. Each codec runs at the smallest H from ``s.h`` up to
-    ``h_max`` (default ``s.h``) whose H steps hide its transfer with ``margin`` to spare (adaptive H's rule)."""
+    ``h_max`` (default ``s.h``) whose H steps hide its transfer with the link budget's margin (its transfer in H /
+    (1 + LINK_MARGIN) steps: the rule by which a run's link budget sizes its rounds, outer/plan.py), so that a run
+    given ``run_flags`` takes the chosen codec on this link."""
     rows = []
     for name, c in candidates(s).items():
         p = predict(c)
         if p["views_rank_too_large"]:
             continue
-        need = math.ceil(p["methods"]["dilocox"]["comm_seconds"] / p["step_seconds"] * (1 + margin))
+        step = p["step_seconds"]
+        need = math.ceil(p["methods"]["dilocox"]["comm_seconds"] / step * (1 + LINK_MARGIN))
         c = replace(c, h=min(max(s.h, need), max(h_max or s.h, s.h)))
         p = predict(c)
         x, ceiling = p["methods"]["dilocox"], p["methods"]["ceiling"]["tokens_per_s"]
@@ -76,7 +80,7 @@ def choose(s: Setup, target: float = 0.9, h_max: Optional[int] = None, margin: f
     else:
         best = max(rows, key=lambda r: r["of_ceiling"])
         why = f"no codec reaches {target:g} of the ceiling: the most tokens/s"
-    return {"chosen": best["codec"], "why": why, "target": target, "candidates": rows,
+    return {"chosen": best["codec"], "why": why, "target": target, "candidates": rows, "step_seconds": step,
             "flags": run_flags(best["codec"], max(h_max or s.h, s.h))}
 
 
