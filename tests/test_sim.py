@@ -346,7 +346,7 @@ def test_sparse_bytes_equal_the_codecs(k, chunk, C):
 
 def test_codec_choice_takes_the_least_measured_loss_that_reaches_the_target(monkeypatch):
     from megatron_dilocox.sim import codec_choice
-    monkeypatch.setattr(codec_choice, "LOSS_VS_INT4", {(64, 4096): 0.3, (96, 4096): 0.1})
+    monkeypatch.setattr(codec_choice, "LOSS_VS_INT4", {10: {(64, 4096): 0.3, (96, 4096): 0.1}})
     free = codec_choice.choose(replace(SMALL, link_gbps=100.0, tokens_per_gpu_s=2000.0))
     assert free["chosen"] == "int4 whole"  # every codec hides: the least loss
     s = replace(_paper_setup(), clusters=8, global_batch_tokens=8 * 80 * 2048, link_gbps=0.1)
@@ -364,3 +364,18 @@ def test_codec_choice_takes_the_least_measured_loss_that_reaches_the_target(monk
     assert rows["low rank 8"]["loss_vs_int4_pct"] is None  # 8 of a width-8192 model: never measured
     assert codec_choice.choose(s, 0.9)["chosen"].startswith("low rank")  # at H = 100 no measured codec hides
     assert "not measured" in codec_choice.choose(s, 0.9)["why"]
+
+
+def test_codec_choice_takes_each_codecs_loss_at_about_its_h():
+    """A sparse codec priced at H takes the loss measured at the largest H not above it: at the slow link's H the
+    H = 100 figures (fewer rounds: a larger gap), below every measured H the smallest's; a (k, chunk) not measured
+    at that H counts as not measured."""
+    from megatron_dilocox.sim import codec_choice
+    table = codec_choice.LOSS_VS_INT4
+    s = replace(_paper_setup(), sparse_k=64, sparse_chunk=4096)
+    assert codec_choice.measured_loss("sparse 64/4096", replace(s, h=5)) == table[10][(64, 4096)]
+    assert codec_choice.measured_loss("sparse 64/4096", replace(s, h=99)) == table[10][(64, 4096)]
+    assert codec_choice.measured_loss("sparse 64/4096", replace(s, h=300)) == table[100][(64, 4096)]
+    assert table[100][(64, 4096)] > table[10][(64, 4096)]
+    assert codec_choice.measured_loss("sparse 32/4096", replace(s, h=300, sparse_k=32)) is None
+    assert codec_choice.measured_loss("int4 whole", s) == 0.0 and codec_choice.measured_loss("low rank 8", s) is None
