@@ -175,8 +175,9 @@ class DiLoCoXConfig:
     sparse_k: int = knob(0, "sparse exchange: every chunk of --dilocox-sparse-chunk values of a tensor sends its k "
                             "largest entries (of δ + e) with one sign bit each and 4 magnitudes per chunk, "
                             "all-gathered; replaces low rank. Under --dilocox-link-budget a round goes sparse "
-                            "only when the link cannot carry it whole within --dilocox-h-max steps; without it "
-                            "every round; 0: off (docs/algorithm.md#sparse-exchange)")
+                            "only when the link cannot carry it whole in the steps it has to hide in (adaptive H: "
+                            "within --dilocox-h-max); without it every round; 0: off "
+                            "(docs/algorithm.md#sparse-exchange)")
     sparse_chunk: int = knob(4096, "values per chunk of the sparse exchange (at most 32768; a tensor's last chunk "
                                    "is shorter)")
     seed: int = knob(1234, "seed shared by all clusters (warm-start Q)")

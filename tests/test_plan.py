@@ -126,24 +126,25 @@ def test_later_fragments_take_fragment_0s_h_and_go_whole_with_it():
     assert 0 < expected and (h, rank, tau) == (10, expected, 10)
 
 
-@pytest.mark.parametrize("whole_steps,h_max", [(43.0, 100), (200.0, 100), (430.0, 40), (50.0, 40), (40.0, 40)])
-def test_sparse_k_takes_the_place_of_low_rank_its_round_lengthened_until_it_hides(whole_steps, h_max):
+@pytest.mark.parametrize("last_transfer", ["whole", "sparse", "tiny"])
+@pytest.mark.parametrize("whole_steps,h_max", [(4.0, 100), (43.0, 100), (200.0, 100), (430.0, 40), (50.0, 40)])
+def test_sparse_k_takes_the_place_of_low_rank_h_and_tau_from_the_rate(whole_steps, h_max, last_transfer):
     """--dilocox-sparse-k 8 of 512: whole while it hides within H max (as without it); beyond, a sparse round
-    (rank -1) whose H stretches to ceil(its transfer in steps x (1 + LINK_MARGIN)), at least the H asked for and at
-    most H max (where part of the transfer shows); τ as adaptive τ sizes the sparse transfer."""
+    (rank -1). Either way H is the shortest that hides the chosen round's transfer at the measured rate (ceil(its
+    steps x (1 + LINK_MARGIN)), from H min = 10 to H max, where part of the transfer shows) and τ as adaptive τ
+    sizes that transfer (ceil(its steps x 2), at most H): never from the header's last transfer, which may have been
+    of the other kind (a whole one before a sparse round, a tiny sparse one before a whole round)."""
     sync = planner(h_max=h_max, sparse_k=8, sparse_chunk=512)
     codec = sync.codec
     assert not codec.groups and codec.rank == SPARSE
-    result = landed(codec, whole_steps)
-    result.rank = 0  # the round that landed went whole: τ comes from the rate, not from that transfer
-    h, rank, tau = plan.next_round(sync, result)
-    if whole_steps * (1 + LINK_MARGIN) <= h_max:
-        assert (h, rank) == (math.ceil(whole_steps * (1 + LINK_MARGIN)), 0)
-        return
-    sparse_steps = codec.round_bytes(SPARSE, 2) * result.peer_seconds_per_byte / STEP
+    sparse_steps = whole_steps * codec.round_bytes(SPARSE, 2) / codec.round_bytes(0, 2)
     assert sparse_steps < whole_steps / 6  # (per 512 values 8 x 17 bits + 4 levels x 32: 0.52 bits a value, not 4.25)
-    expected = min(max(10, math.ceil(sparse_steps * (1 + LINK_MARGIN))), h_max)
-    assert (h, rank) == (expected, SPARSE) and tau == min(expected, max(1, math.ceil(sparse_steps * 2)))
+    comm = {"whole": whole_steps, "sparse": sparse_steps, "tiny": 0.01}[last_transfer]
+    h, rank, tau = plan.next_round(sync, landed(codec, whole_steps, comm_steps=comm))
+    whole = whole_steps * (1 + LINK_MARGIN) <= h_max
+    steps = whole_steps if whole else sparse_steps
+    expected = min(max(10, math.ceil(round(steps * (1 + LINK_MARGIN), 9))), h_max)
+    assert (h, rank, tau) == (expected, 0 if whole else SPARSE, min(expected, math.ceil(round(steps * 2, 9))))
 
 
 def test_sparse_k_goes_whole_where_the_sparse_round_would_send_more():

@@ -355,7 +355,13 @@ def test_codec_choice_takes_the_least_measured_loss_that_reaches_the_target(monk
     assert rows["int4 whole"]["of_ceiling"] < 0.9 <= rows["sparse 64/4096"]["of_ceiling"]
     assert rows["sparse 96/4096"]["of_ceiling"] >= 0.9 and slow["chosen"] == "sparse 96/4096"  # less loss than 64
     # the flags under which a run's link budget takes that codec on this link (outer/plan.py)
-    assert slow["flags"] == "--dilocox-sparse-k 96 --dilocox-h-max 300" and free["flags"] == f"--dilocox-h-max {SMALL.h}"
+    assert slow["flags"] == "--dilocox-sparse-k 96 --dilocox-h 100 --dilocox-h-max 300"
+    assert free["flags"] == f"--dilocox-h {SMALL.h} --dilocox-h-max {SMALL.h}"
+    # int4 whole at H max whose transfer needs more than H max / 2: a run would not send it whole, so it is not chosen
+    # however many tokens/s it would give (two sites at 0.2 Gbit/s: about 432 steps needed against 300)
+    mid = codec_choice.choose(replace(_paper_setup(), link_gbps=0.2), 0.9, h_max=300)
+    whole = next(r for r in mid["candidates"] if r["codec"] == "int4 whole")
+    assert whole["h"] == 300 and not whole["runs"] and whole["of_ceiling"] >= 0.9 and mid["chosen"] != "int4 whole"
     assert all(r["h"] <= 300 for r in rows.values())
     # each codec at the smallest H whose steps hold twice its transfer (the run's link budget: outer/plan.py)
     for r in rows.values():

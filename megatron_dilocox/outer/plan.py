@@ -9,7 +9,6 @@ import math
 from typing import Optional
 
 from megatron_dilocox.compression import adaptive
-from megatron_dilocox.compression.codec import SPARSE
 from megatron_dilocox.outer.link import LINK_MARGIN, agree_on_cluster
 
 # τ leaves twice the measured transfer: τ is sized from a transfer one round old (as H is), and a wait at τ
@@ -78,14 +77,13 @@ def next_round(sync, result) -> tuple[int, int, int]:
     if sync.link_budget and not sync.codec.groups and sync.codec.sparse is None:
         rank = 0  # nothing low-rank on this rank: whole, i.e. no say in the cluster's choice below
     elif sync.link_budget and result.peer_seconds_per_byte > 0 and result.peer_step_seconds > 0:
-        whole = whole_round(sync, result)
-        rank = 0 if whole is not None else budget_rank(sync, result)
-        if whole is None and sync.codec.sparse is not None:  # --dilocox-sparse-k: sparse where low rank would be
-            whole = hiding_round(sync, result, rank, cap=True)  # cut (or whole, where sparse sends no fewer bytes)
-            if whole is not None and rank != result.rank:  # τ from the rate, not from a transfer of the other kind
-                tau = min(h, whole[1])
-        if whole is not None and whole[0] > h:  # the round and its landing stretch to the transfer
-            h, tau = whole
+        if sync.codec.sparse is not None:
+            h, rank, tau = sparse_or_whole(sync, result, h, tau)
+        else:
+            whole = whole_round(sync, result)
+            rank = 0 if whole is not None else budget_rank(sync, result)
+            if whole is not None and whole[0] > h:  # the round and its landing stretch to the whole transfer
+                h, tau = whole
     shared = (h, tau)
     if cfg.per_site_h:
         h, tau = per_site(result, h, tau)
@@ -163,19 +161,37 @@ def follow(sync, result) -> tuple[int, int, int]:
     return h, rank, min(tau, h)
 
 
-def hiding_round(sync, result, rank: int, cap: bool = False) -> Optional[tuple[int, int]]:
+def sparse_or_whole(sync, result, h: int, tau: int) -> tuple[int, int, int]:
+    """--dilocox-sparse-k under the link budget: (H, rank, τ) of the next round. Whole (rank 0) when the measured
+    link carries it within H max (adaptive H; else in the steps link_steps allows) or when a sparse round would send
+    no fewer bytes; else SPARSE. Both H and τ come from the measured rate and the chosen round's closed-form bytes,
+    not from the last transfer, which may have been of the other kind: H the shortest that hides the transfer
+    (its transfer in H / (1 + LINK_MARGIN) steps, from --dilocox-h-min to --dilocox-h-max, where part of a
+    transfer may show), τ as adaptive τ sizes it (at most H); a fixed H or τ stays as set."""
+    cfg = sync.cfg
+    rank = 0 if whole_round(sync, result) is not None else budget_rank(sync, result)
+    seconds = sync.codec.round_bytes(rank, result.num_clusters, member=0) * result.peer_seconds_per_byte
+    if cfg.adaptive_h:
+        need = adaptive.steps_to_hide(seconds * sync.link_share, result.peer_step_seconds, LINK_MARGIN)
+        h = min(max(cfg.resolved_h_min, need), cfg.resolved_h_max)
+    if cfg.overlap_steps == 0:
+        tau = min(h, adaptive.steps_to_hide(seconds, result.peer_step_seconds, TAU_MARGIN))
+    else:
+        tau = fixed_tau(cfg, h)
+    return h, rank, tau
+
+
+def hiding_round(sync, result, rank: int) -> Optional[tuple[int, int]]:
     """(H, τ) at which this rank's round at ``rank`` hides on the measured link (H: its transfer in H / (1 +
-    LINK_MARGIN) steps; τ: as adaptive τ sizes it, at most H), when adaptive H and τ may go there; beyond
-    --dilocox-h-max: None, or (``cap``) H max, where part of the transfer shows."""
+    LINK_MARGIN) steps; τ: as adaptive τ sizes it, at most H), when adaptive H and τ may go there (H at most
+    --dilocox-h-max); else None."""
     cfg = sync.cfg
     if not (cfg.adaptive_h and cfg.overlap_steps == 0):
         return None  # a fixed τ must hide the transfer in τ steps, however long the round
     seconds = sync.codec.round_bytes(rank, result.num_clusters, member=0) * result.peer_seconds_per_byte
     h = adaptive.steps_to_hide(seconds * sync.link_share, result.peer_step_seconds, LINK_MARGIN)
     if h > cfg.resolved_h_max:
-        if not cap:
-            return None
-        h = cfg.resolved_h_max
+        return None
     return h, min(h, adaptive.steps_to_hide(seconds, result.peer_step_seconds, TAU_MARGIN))
 
 
@@ -193,7 +209,7 @@ def whole_round(sync, result) -> Optional[tuple[int, int]]:
     transfer fills most of the round, so each round lands at its end, which costs most of the gain
     (benchmarks/NOTEBOOK.md, "Fewer rounds sent whole").
 
-    Under --dilocox-sparse-k a round that does not hide whole goes sparse instead of low rank (hiding_round sizes
-    it), as the codec choice (sim/codec_choice.py) ranks them: where the link carries int4 whole within
+    Under --dilocox-sparse-k a round that does not hide whole goes sparse instead of low rank (sparse_or_whole), as
+    the codec choice (sim/codec_choice.py) ranks them: where the link carries int4 whole within
     --dilocox-h-max it loses less than sparse at a shorter H (docs/convergence.md#the-codec-a-link-needs)."""
     return hiding_round(sync, result, 0)

@@ -76,8 +76,10 @@ def choose(s: Setup, target: float = 0.9, h_max: Optional[int] = None) -> dict:
                      "exposed_seconds": x["exposed_seconds"], "of_ceiling": x["tokens_per_s"] / ceiling,
                      "tokens_per_s": x["tokens_per_s"], "loss_vs_int4_pct": measured_loss(name, c),
                      # one site's payload per parameter (what one peer receives from it: the round at C = 2)
-                     "bits_per_param": 8 * round_bytes(replace(c, clusters=2))["dilocox"] / p["params"]})
-    fast = [r for r in rows if r["of_ceiling"] >= target]
+                     "bits_per_param": 8 * round_bytes(replace(c, clusters=2))["dilocox"] / p["params"],
+                     # a run's link budget sends whole only where it hides within H max (else sparse or low rank)
+                     "runs": not (name == "int4 whole" and need > c.h)})
+    fast = [r for r in rows if r["of_ceiling"] >= target and r["runs"]]
     known = [r for r in fast if r["loss_vs_int4_pct"] is not None]
     if known:
         best = min(known, key=lambda r: (r["loss_vs_int4_pct"], r["bytes_per_site"]))
@@ -91,15 +93,15 @@ def choose(s: Setup, target: float = 0.9, h_max: Optional[int] = None) -> dict:
         best = max(rows, key=lambda r: r["of_ceiling"])
         why = f"no codec reaches {target:g} of the ceiling: the most tokens/s"
     return {"chosen": best["codec"], "why": why, "target": target, "candidates": rows, "step_seconds": step,
-            "flags": run_flags(best["codec"], max(h_max or s.h, s.h))}
+            "flags": run_flags(best["codec"], s.h, max(h_max or s.h, s.h))}
 
 
-def run_flags(codec: str, h_max: int) -> str:
+def run_flags(codec: str, h: int, h_max: int) -> str:
     """The flags that make a run's link budget follow this choice (outer/plan.py): it sends a round whole when the
     measured link carries it within --dilocox-h-max steps, else, with --dilocox-sparse-k, sparse at the shortest H
     that hides it, else the rank the link carries: so on the link priced here a run takes the chosen codec, and
     follows the link if it turns faster or slower."""
-    flags = f"--dilocox-h-max {h_max}"
+    flags = f"--dilocox-h {h} --dilocox-h-max {h_max}"
     if codec.startswith("sparse"):
         k, chunk = codec.split()[1].split("/")
         flags = f"--dilocox-sparse-k {k}" + ("" if chunk == "4096" else f" --dilocox-sparse-chunk {chunk}") + " " + flags
@@ -111,7 +113,7 @@ def report(out: dict) -> list[str]:
              f"{'loss vs int4':>13}"]
     for r in out["candidates"]:
         loss = "not measured" if r["loss_vs_int4_pct"] is None else f"{r['loss_vs_int4_pct']:+.2f}%"
-        mark = " <-" if r["codec"] == out["chosen"] else ""
+        mark = " <-" if r["codec"] == out["chosen"] else "" if r["runs"] else " (a run goes sparse: H max too short)"
         lines.append(f"{r['codec']:<16}{r['h']:>5}{r['bytes_per_site'] / 1e9:>10.2f}{r['bits_per_param']:>11.3f}"
                      f"{r['comm_seconds']:>9.0f}{r['exposed_seconds']:>10.0f}{r['of_ceiling']:>11.3f}{loss:>13}{mark}")
     lines.append(f"codec: {out['chosen']} ({out['why']}; losses at 1000 iterations, two sites, at the largest measured "
