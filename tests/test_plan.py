@@ -13,7 +13,7 @@ from megatron_dilocox.compression.codec import SPARSE, ExchangeResult, PseudoGra
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer import plan
 from megatron_dilocox.outer.cluster import SingleRank
-from megatron_dilocox.outer.link import LINK_MARGIN
+from megatron_dilocox.config import LINK_MARGIN
 
 pytestmark = pytest.mark.unit
 

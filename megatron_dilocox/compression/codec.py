@@ -11,8 +11,8 @@ Per rank the codec owns the error-feedback buffers e and the warm-start Q of eve
     phase 2: Q' = M^T P^, quantized, averaged in fp32  (+ energy statistics for adaptive rank)
     Δ = P^ mean(Q')^T  and  mean(whole);   e = M - (what this cluster actually transmitted)
 
-Under ``--dilocox-sparse-k`` every tensor is in the one flat slab, and a round at rank SPARSE is compression/sparse.py's:
-one all-gather of each cluster's top-k entries, summed in member order; under the link budget the other rounds go
+Under ``--dilocox-sparse-k`` every tensor is in the one flat slab, and a round at rank SPARSE is
+compression/sparse.py's: one all-gather of each cluster's top-k entries, summed in member order; under the link budget the other rounds go
 whole (rank 0), on the same slab and the same e (outer/plan.py chooses, docs/algorithm.md#sparse-exchange).
 
 At rank 0 (``--dilocox-link-budget`` chose it: the link carries the matrices whole) every slab is sent whole,
@@ -217,12 +217,15 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
     def set_rank(self, rank: int, round_idx: int):
         """Rank 0 sends the matrices whole and keeps Q as it is, the warm start for when the rank returns; SPARSE
         (under --dilocox-sparse-k) sends the sparse payload of the same slab, e carried across."""
-        if rank == SPARSE and self.sparse is None or rank != SPARSE and rank < 0:
-            raise ValueError(f"rank {rank}: a sparse round needs --dilocox-sparse-k, and no other rank is negative")
+        self._check_rank(rank)
         if rank != self.rank:
             if rank > 0:
                 self.q = [lowrank.resize_q(q, rank, self.cfg.seed, gi, round_idx) for gi, q in enumerate(self.q)]
             self.rank = rank
+
+    def _check_rank(self, rank: int):
+        if rank == SPARSE and self.sparse is None or rank != SPARSE and rank < 0:
+            raise ValueError(f"rank {rank}: a sparse round needs --dilocox-sparse-k, and no other rank is negative")
 
     def link_rank(self, seconds: float, seconds_per_byte: float, clusters: int) -> int:
         """--dilocox-link-budget: the rank (0: whole) whose round the measured link carries in ``seconds``; under
@@ -235,7 +238,8 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
             fits = whole * seconds_per_byte <= seconds or self.round_bytes(SPARSE, clusters, member=0) >= whole
             return 0 if fits else SPARSE
         return adaptive.choose_rank_for_link(lambda r: self.round_bytes(r, clusters, member=0), seconds,
-                                             seconds_per_byte, self.rank, self.cfg.resolved_rank_min, self._rank_cap(clusters, budget=False))
+                                             seconds_per_byte, self.rank, self.cfg.resolved_rank_min,
+                                             self._rank_cap(clusters, budget=False))
 
     def _views(self, slabs) -> list:
         """Per-tensor views (parameter order) of slabs laid out as ``self._err``."""
@@ -399,7 +403,8 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
                             "layout": "has a different parameter layout or compression settings "
                                       "(shapes, --dilocox-quant-bits/-block-size, --dilocox-lowrank*, "
                                       "--dilocox-sparse-*)",
-                            "rank": f"sends {_round_kind(h[k])}, this cluster (#{my_rank}) {_round_kind(mine[k])}"}[name]
+                            "rank": f"sends {_round_kind(h[k])}, this cluster (#{my_rank}) "
+                                    f"{_round_kind(mine[k])}"}[name]
                     raise PayloadError(f"refused payload: cluster {c} {what}; nothing was applied")
             if not (math.isfinite(float(h[8])) and float(h[8]) > 0):
                 raise PayloadError(f"refused payload: cluster {c} reports {float(h[8])} tokens for its round "
@@ -437,8 +442,7 @@ class PseudoGradientCodec(LocalBasisExchange, SparseExchange, ClusterAverage):
         rank = int(state["rank"])
         if self.sparse is not None and (rank > 0 or not self.cfg.link_sizes_rounds):
             rank = SPARSE  # (a checkpoint of a sparse run from before whole rounds, which stored the low-rank rank)
-        if rank < 0 and (rank != SPARSE or self.sparse is None):
-            raise ValueError(f"DiLoCoX codec state has rank {rank}: a sparse round needs --dilocox-sparse-k")
+        self._check_rank(rank)
         self.rank = rank
         self.error = state["error"]
         self.q = [q.to(self.device, torch.float32).clone() for q in state["q"]]

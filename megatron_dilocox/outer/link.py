@@ -6,8 +6,6 @@ import torch
 
 from megatron_dilocox.compression.quantize import bytes_as
 from megatron_dilocox.outer.cluster import IntraCluster
-
-from megatron_dilocox.config import LINK_MARGIN  # noqa: F401  (the link budget's margin; the codec choice's too)
 # the probe at start: one all-gather of this many bytes (or a whole round's payload, if less). Well above a
 # shaper's burst (wan.py's tbf bucket is ~68 kB at 650 kbit/s, which a 64 KiB probe crossed as if it were
 # loopback), small enough that a slow link pays little (~3 s at 650 kbit/s, once). Latency counts as transfer

@@ -9,7 +9,8 @@ import math
 from typing import Optional
 
 from megatron_dilocox.compression import adaptive
-from megatron_dilocox.outer.link import LINK_MARGIN, agree_on_cluster
+from megatron_dilocox.config import LINK_MARGIN
+from megatron_dilocox.outer.link import agree_on_cluster
 
 # τ leaves twice the measured transfer: τ is sized from a transfer one round old (as H is), and a wait at τ
 # stalls training, while a τ one step longer only keeps the stand-in one step longer (byte model, H=20: τ = 1
@@ -170,7 +171,7 @@ def sparse_or_whole(sync, result, h: int, tau: int) -> tuple[int, int, int]:
     transfer may show), τ as adaptive τ sizes it (at most H); a fixed H or τ stays as set."""
     cfg = sync.cfg
     rank = 0 if whole_round(sync, result) is not None else budget_rank(sync, result)
-    seconds = sync.codec.round_bytes(rank, result.num_clusters, member=0) * result.peer_seconds_per_byte
+    seconds = transfer_seconds(sync, result, rank)
     if cfg.adaptive_h:
         need = adaptive.steps_to_hide(seconds * sync.link_share, result.peer_step_seconds, LINK_MARGIN)
         h = min(max(cfg.resolved_h_min, need), cfg.resolved_h_max)
@@ -181,18 +182,11 @@ def sparse_or_whole(sync, result, h: int, tau: int) -> tuple[int, int, int]:
     return h, rank, tau
 
 
-def hiding_round(sync, result, rank: int) -> Optional[tuple[int, int]]:
-    """(H, τ) at which this rank's round at ``rank`` hides on the measured link (H: its transfer in H / (1 +
-    LINK_MARGIN) steps; τ: as adaptive τ sizes it, at most H), when adaptive H and τ may go there (H at most
-    --dilocox-h-max); else None."""
-    cfg = sync.cfg
-    if not (cfg.adaptive_h and cfg.overlap_steps == 0):
-        return None  # a fixed τ must hide the transfer in τ steps, however long the round
-    seconds = sync.codec.round_bytes(rank, result.num_clusters, member=0) * result.peer_seconds_per_byte
-    h = adaptive.steps_to_hide(seconds * sync.link_share, result.peer_step_seconds, LINK_MARGIN)
-    if h > cfg.resolved_h_max:
-        return None
-    return h, min(h, adaptive.steps_to_hide(seconds, result.peer_step_seconds, TAU_MARGIN))
+def transfer_seconds(sync, result, rank: int) -> float:
+    """This rank's round at ``rank`` on the measured link: its closed-form bytes as member 0 of the group (a
+    reduce-scatter's chunks differ by a block between members: so every cluster sizes alike from the same header
+    figures) times the measured seconds per byte."""
+    return sync.codec.round_bytes(rank, result.num_clusters, member=0) * result.peer_seconds_per_byte
 
 
 def whole_round(sync, result) -> Optional[tuple[int, int]]:
@@ -212,4 +206,11 @@ def whole_round(sync, result) -> Optional[tuple[int, int]]:
     Under --dilocox-sparse-k a round that does not hide whole goes sparse instead of low rank (sparse_or_whole), as
     the codec choice (sim/codec_choice.py) ranks them: where the link carries int4 whole within
     --dilocox-h-max it loses less than sparse at a shorter H (docs/convergence.md#the-codec-a-link-needs)."""
-    return hiding_round(sync, result, 0)
+    cfg = sync.cfg
+    if not (cfg.adaptive_h and cfg.overlap_steps == 0):
+        return None  # a fixed τ must hide the transfer in τ steps, however long the round
+    seconds = transfer_seconds(sync, result, 0)
+    h = adaptive.steps_to_hide(seconds * sync.link_share, result.peer_step_seconds, LINK_MARGIN)
+    if h > cfg.resolved_h_max:
+        return None
+    return h, min(h, adaptive.steps_to_hide(seconds, result.peer_step_seconds, TAU_MARGIN))
