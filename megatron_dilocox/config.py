@@ -1,32 +1,28 @@
 """Every DiLoCoX knob in one dataclass.
 
 The Megatron flags (``--dilocox-*``) map one-to-one onto these fields; the core library (``outer/``,
-``compression/``, ``net/``) takes nothing else. ``validate()`` is called before any process group
-is made, so a bad value stops the run with a message that names the flag and what to change.
+``compression/``, ``net/``) takes nothing else. ``validate()`` (config_checks.py) is called before any process
+group is made, so a bad value stops the run with a message that names the flag and what to change.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-OVERLAP_MODES = ("none", "one-step-delay", "eager")
-LOWRANK_BASES = ("local", "shared")
-QUANT_BITS = (1, 4, 8, 16, 32)
-OUTER_STATE_DEVICES = ("cpu", "param")
-PEER_FAILURE_POLICIES = ("stop", "continue")
-COORDINATOR_MODES = ("embedded", "standalone")
-EXCHANGE_LAYOUTS = ("local", "canonical")
-EXCHANGE_SCHEMES = ("auto", "all-gather", "reduce-scatter")
+# the choices of each setting, the flag names and the checks: config_checks.py (imported from here too)
+from megatron_dilocox.config_checks import (COORDINATOR_MODES, EXCHANGE_LAYOUTS, EXCHANGE_SCHEMES,  # noqa: F401
+                                            LOWRANK_BASES, OUTER_STATE_DEVICES, OVERLAP_MODES, PEER_FAILURE_POLICIES,
+                                            QUANT_BITS, SECRET_ENV, DiLoCoXConfigError, flag_name, no_flag_name,
+                                            validate)
+
 # Megatron's parallel-layout arguments: what --dilocox-exchange-layout canonical lets sites differ in (the glue's
 # fingerprint leaves them out then; the rendezvous names the flag when only they differ)
 PARALLEL_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                         "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
                         "expert_tensor_parallel_size", "data_parallel_size", "use_distributed_optimizer",
                         "use_layer_wise_distributed_optimizer")
-SECRET_ENV = "DILOCOX_SECRET"
 # the link budget sizes a round's transfer to half the steps it has to hide in: the rate it scales comes from
 # earlier rounds' payloads and varies (a tbf bucket's burst, host load, the other cluster's compute); with the
 # adaptive-H margin (10%) instead, the ratio-325 link at H=10 exposed ~10% of wall time and H rose to 15. Here
@@ -46,20 +42,6 @@ OUTER_LR_FRAGMENTS = 1.3
 # default --dilocox-outer-momentum by the number of sites: (sites, momentum) where it was measured, linear between,
 # flat outside (DiLoCoXConfig.resolved_outer_momentum; docs/convergence.md#many-sites)
 OUTER_MOMENTUM_BY_SITES = ((2, 0.3), (4, 0.5))
-
-
-class DiLoCoXConfigError(ValueError):
-    """A DiLoCoX setting is invalid; the message names the flag and the fix."""
-
-
-def flag_name(field_name: str) -> str:
-    """The --dilocox-* flag of a config field (the parser, error messages and docs/configuration.md's table use it)."""
-    return "--dilocox-" + field_name.replace("_", "-")
-
-
-def no_flag_name(field_name: str) -> str:
-    """The --dilocox-no-* form that sets a boolean field to False."""
-    return "--dilocox-no-" + field_name.replace("_", "-")
 
 
 def knob(default, help: str, **kw):
@@ -288,133 +270,9 @@ class DiLoCoXConfig:
         return 4 * self.lowrank_rank if self.lowrank_rank_max is None else self.lowrank_rank_max
 
     def validate(self) -> "DiLoCoXConfig":
-        """Raise DiLoCoXConfigError for the first invalid setting; return self when all are valid."""
-
-        def fail(name: str, msg: str):
-            raise DiLoCoXConfigError(f"{flag_name(name)}: {msg}")
-
-        def need_int(name: str, lo: int):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                fail(name, f"must be an integer, got {v!r}")
-            if v < lo:
-                fail(name, f"must be >= {lo}, got {v}")
-
-        need_int("num_clusters", 1)
-        need_int("cluster_id", 0)
-        if self.cluster_id >= self.num_clusters:
-            fail("cluster_id", f"must be < --dilocox-num-clusters ({self.num_clusters}), got {self.cluster_id}")
-        if self.num_clusters > 1:
-            if not self.rendezvous:
-                fail("rendezvous", "is required with more than one cluster: give HOST:PORT of cluster 0")
-            addresses = self.rendezvous.split(",")
-            for address in addresses:
-                host, sep, port = address.strip().rpartition(":")
-                if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                    fail("rendezvous", f"must be HOST:PORT with a port in 1..65535, got {self.rendezvous!r}")
-            if len(addresses) > 1 and self.coordinator != "standalone":
-                fail("rendezvous", f"lists {len(addresses)} addresses, but a standby address needs "
-                                   f"--dilocox-coordinator standalone (embedded: cluster 0's HOST:PORT only)")
-            if not self.secret:
-                fail("secret", f"is required with more than one cluster: set ${SECRET_ENV} on every cluster")
-        if not (isinstance(self.timeout_seconds, (int, float)) and math.isfinite(self.timeout_seconds)
-                and self.timeout_seconds > 0):
-            fail("timeout_seconds", f"must be a positive number of seconds, got {self.timeout_seconds!r}")
-
-        if self.coordinator not in COORDINATOR_MODES:
-            fail("coordinator", f"must be one of {', '.join(COORDINATOR_MODES)}, got {self.coordinator!r}")
-        if self.on_peer_failure not in PEER_FAILURE_POLICIES:
-            fail("on_peer_failure", f"must be one of {', '.join(PEER_FAILURE_POLICIES)}, got {self.on_peer_failure!r}")
-
-        need_int("h", 1)
-        need_int("fragments", 1)
-        need_int("slow_link_fragments", 1)
-        if self.fragments > 1:
-            if self.overlap == "eager":  # (validated before --dilocox-overlap itself: name what it is)
-                fail("fragments", "needs --dilocox-overlap one-step-delay (or none): eager's stand-in moves a "
-                                  "fragment against the rest of the model at each of its boundaries (Python docs, "
-                                  "H = 100, F = 4, τ = 25: validation 4.93 with eager, 4.66 with one-step-delay)")
-            if min(self.h, self.resolved_h_min) < self.fragments:
-                fail("fragments", f"needs --dilocox-h and --dilocox-h-min >= {self.fragments} (a fragment's round "
-                                  f"ends every H/F inner steps), got H = {self.h}, H min = {self.resolved_h_min}")
-        for name in ("h_min", "h_max"):
-            if getattr(self, name) is not None:
-                need_int(name, 1)
-        if not self.resolved_h_min <= self.h <= self.resolved_h_max:
-            fail("h", f"must lie within [--dilocox-h-min, --dilocox-h-max] = "
-                      f"[{self.resolved_h_min}, {self.resolved_h_max}], got {self.h}")
-        if not (0.0 <= self.adaptive_h_margin <= 10.0):
-            fail("adaptive_h_margin", f"must be in [0, 10], got {self.adaptive_h_margin}")
-        if self.overlap not in OVERLAP_MODES:
-            fail("overlap", f"must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
-        if self.overlap_steps is not None:
-            need_int("overlap_steps", 0)
-
-        if self.delay_local_weight is not None and not (
-                isinstance(self.delay_local_weight, (int, float)) and 0.0 <= self.delay_local_weight <= 1.0):
-            fail("delay_local_weight", f"must be in [0, 1], got {self.delay_local_weight!r}")
-        if self.outer_lr is not None and not (
-                isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr) and self.outer_lr > 0):
-            fail("outer_lr", f"must be a positive finite number, got {self.outer_lr!r}")
-        if self.outer_lr_warmup_iters is not None and not (
-                isinstance(self.outer_lr_warmup_iters, int) and self.outer_lr_warmup_iters >= 0):
-            fail("outer_lr_warmup_iters", f"must be a whole number of iterations >= 0, got {self.outer_lr_warmup_iters!r}")
-        if not (0.0 <= self.resolved_outer_momentum < 1.0):
-            fail("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
-        if self.outer_state_device not in OUTER_STATE_DEVICES:
-            fail("outer_state_device", f"must be one of {', '.join(OUTER_STATE_DEVICES)}, "
-                                       f"got {self.outer_state_device!r}")
-
-        need_int("lowrank_rank", 1)
-        for name in ("lowrank_rank_min", "lowrank_rank_max"):
-            if getattr(self, name) is not None:
-                need_int(name, 1)
-        if not self.resolved_rank_min <= self.lowrank_rank <= self.resolved_rank_max:
-            fail("lowrank_rank", f"must lie within [--dilocox-lowrank-rank-min, --dilocox-lowrank-rank-max] = "
-                                 f"[{self.resolved_rank_min}, {self.resolved_rank_max}], got {self.lowrank_rank}")
-        if self.lowrank_basis not in LOWRANK_BASES:
-            fail("lowrank_basis", f"must be one of {', '.join(LOWRANK_BASES)}, got {self.lowrank_basis!r}")
-        need_int("lowrank_local_iters", 1)
-        need_int("lowrank_min_dim", 2)
-        if not (isinstance(self.min_compression, (int, float)) and math.isfinite(self.min_compression)
-                and self.min_compression >= 1):
-            fail("min_compression", f"must be a number >= 1 (1 = no byte budget), got {self.min_compression!r}")
-        if not (0.0 < self.energy_threshold <= 1.0):
-            fail("energy_threshold", f"must be in (0, 1], got {self.energy_threshold}")
-        if not (isinstance(self.error_decay, (int, float)) and 0.0 <= self.error_decay <= 1.0):
-            fail("error_decay", f"must be in [0, 1], got {self.error_decay!r}")
-        if self.quant_bits not in QUANT_BITS:
-            fail("quant_bits", f"must be one of {', '.join(map(str, QUANT_BITS))} (32 = off), got {self.quant_bits!r}")
-        need_int("quant_block_size", 2)
-        if self.quant_bits == 4 and self.quant_block_size % 2:
-            fail("quant_block_size", f"must be even with 4-bit quantization, got {self.quant_block_size}")
-        need_int("seed", 0)
-        need_int("sparse_k", 0)
-        if self.sparse_k:
-            need_int("sparse_chunk", 2)
-            from megatron_dilocox.compression.sparse_form import MAX_CHUNK  # (no torch import)
-            if not self.sparse_k <= self.sparse_chunk <= MAX_CHUNK:
-                fail("sparse_chunk", f"must lie within [--dilocox-sparse-k, {MAX_CHUNK}] = [{self.sparse_k}, "
-                                     f"{MAX_CHUNK}] (an index is 16 bits), got {self.sparse_chunk}")
-            if self.exchange_scheme == "reduce-scatter" and not self.link_sizes_rounds:
-                fail("exchange_scheme", "reduce-scatter sums payloads on the way, and sparse payloads (each site's "
-                                        "own indices) cannot be summed; without the link budget every round is "
-                                        "sparse: leave it auto, or drop --dilocox-sparse-k")
-        if self.per_site_h:
-            if not self.adaptive_h:
-                fail("per_site_h", "needs --dilocox-adaptive-h (per-site H follows the measured step times)")
-        if self.token_weight_unit not in ("step", "round"):
-            fail("token_weight_unit", f"must be step or round, got {self.token_weight_unit!r}")
-        if self.exchange_scheme not in EXCHANGE_SCHEMES:
-            fail("exchange_scheme", f"must be one of {', '.join(EXCHANGE_SCHEMES)}, got {self.exchange_scheme!r}")
-        if self.exchange_layout not in EXCHANGE_LAYOUTS:
-            fail("exchange_layout", f"must be one of {', '.join(EXCHANGE_LAYOUTS)}, got {self.exchange_layout!r}")
-        if self.lanes < 1:
-            fail("lanes", f"must be at least 1, got {self.lanes}")
-        if self.lanes > 1 and self.exchange_layout != "canonical":
-            fail("lanes", "spreads the canonical exchange over a site's ranks: add --dilocox-exchange-layout canonical "
-                          "(the local layout already exchanges on every rank)")
-        return self
+        """Raise DiLoCoXConfigError for the first invalid setting; return self when all are valid
+        (config_checks.py)."""
+        return validate(self)
 
     @property
     def addresses(self) -> list[str]:

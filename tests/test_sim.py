@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from megatron_dilocox.sim import Setup, model_params, payload_bytes, plan, predict, rank_payload
-from megatron_dilocox.sim.cost_model import exchange_bytes, numel, rank_views, round_bytes, step_seconds
+from megatron_dilocox.sim.cost_model import exchange_bytes, round_bytes, step_seconds
+from megatron_dilocox.sim.setup import numel, rank_views
 
 pytestmark = pytest.mark.unit
 
@@ -87,7 +88,7 @@ def test_rank_payload_equals_codec_payload_sizes_and_counted_bytes(bits, block, 
 def test_distributed_optimizer_views_are_row_aligned_like_param_views():
     torch = pytest.importorskip("torch")
     from megatron_dilocox.glue.param_views import row_aligned_views
-    from megatron_dilocox.sim.cost_model import _row_views
+    from megatron_dilocox.sim.setup import _row_views
     for shape, (start, end) in [((10, 7), (0, 70)), ((10, 7), (3, 40)), ((10, 7), (8, 13)), ((50,), (5, 20))]:
         flat = torch.zeros(end - start)
         assert [tuple(v.shape) for v in row_aligned_views(flat, torch.Size(shape), start, end)] == \

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_dilocox.sim.cost_model import Setup, active_params, model_params, predict, rank_views, round_bytes
+from megatron_dilocox.sim.cost_model import predict, round_bytes
+from megatron_dilocox.sim.setup import Setup, active_params, model_params, rank_views
 from tests.moe_shapes import TINY_MOE, moe_param_counts
 
 pytestmark = pytest.mark.unit

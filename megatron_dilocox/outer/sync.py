@@ -43,7 +43,6 @@ thread uses the inter-cluster group and the codec's state until ``wait()`` retur
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import logging
 import threading
 import time
@@ -55,9 +54,9 @@ from megatron_dilocox.compression.codec import ExchangeResult, PseudoGradientCod
 from megatron_dilocox.compression.collective import Collective, SoloCollective
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.metrics import MetricsWriter
-from megatron_dilocox.outer import handover, membership_round, plan, repair, report, resume
+from megatron_dilocox.outer import entry, handover, membership_round, plan, repair, report, resume
 from megatron_dilocox.outer.clock import RunClock
-from megatron_dilocox.outer.link import LinkRate, probe_link
+from megatron_dilocox.outer.link import LinkRate
 from megatron_dilocox.outer.cluster import IntraCluster, SingleRank
 from megatron_dilocox.outer.nesterov import LocalCorrection, OuterNesterov
 
@@ -155,64 +154,20 @@ class DiLoCoXSync:
         self.start_broadcast = False  # whether start() had to send cluster 0's model (it differed somewhere)
 
     # ------------------------------------------------------------------------------------------ start
-    @torch.no_grad()
     def start(self):
         """Make θ the global model: cluster 0's parameters, everywhere (or the members' state when this
-        cluster was restarted and rejoins a run in progress)."""
+        cluster was restarted and rejoins a run in progress): entry.py."""
         if self.group.joining:
             return self.join()
-        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
-        same, same_size = self._same_everywhere(flat)  # the same --seed: every cluster has it
-        # (another size is another model: round 1's header check refuses it, naming the difference)
-        self.start_broadcast = not same and same_size
-        if self.start_broadcast:
-            flat = self.group.broadcast(flat, src=0, context=(0, self.fragment, "start"))
-            for p, v in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
-                p.copy_(v.view_as(p))
-        self.anchor = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
-        self.outer = OuterNesterov.from_config(self.anchor, self.cfg)
-        self._restart_round_at_anchor()
-        if self.cfg.per_site_h:
-            self.clock.agree(self.group, self.token_budget, self.tokens_per_step, self.train_iters)
-        if self.link_budget and self.link.seconds_per_byte == 0:  # (a fragment after the first: already probed)
-            self.link.seconds_per_byte = probe_link(self.group, self.codec.payload_sizes(0)[0])
-        self._last_hook = time.perf_counter()
-        return self
+        return entry.start(self)
 
-    def _same_everywhere(self, flat: torch.Tensor) -> tuple[bool, bool]:
-        """Whether every cluster already holds bitwise these values (one 32-byte digest each: then the start
-        needs no broadcast, which for a 107B model over 1 Gbit/s would take about an hour), and whether every
-        cluster holds as many."""
-        digest = hashlib.sha256(flat.cpu().contiguous().view(torch.uint8).numpy().data).digest()
-        mine = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8),
-                          torch.tensor([flat.numel()], dtype=torch.int64).view(torch.uint8)])
-        theirs = self.group.all_gather(mine, (0, self.fragment, "start-digest"))
-        return all(torch.equal(d, mine) for d in theirs), all(torch.equal(d[32:], mine[32:]) for d in theirs)
-
-    @torch.no_grad()
     def join(self):
         """(Admitted mid-run) take φ, momentum, Q, H and round t's Δ from the members (handover.py)."""
         return self.joined(handover.receive([self])[0])
 
-    @torch.no_grad()
     def joined(self, result: Optional[ExchangeResult]):
-        """The state handed over is in place: θ ← φ, and round t's Δ (None: the members had applied it) applied
-        as the members apply it."""
-        self.joined_midrun = True
-        self.steps_in_round = 0
-        self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])  # θ ← φ
-        self._restart_round_at_anchor()
-        if self.delayed:
-            self._done = result  # applied at this cluster's next boundary or landing, as the members do
-        elif result is not None:
-            self._apply(result, exposed=0.0)
-            self._set_params([a.to(p.device) for a, p in zip(self.anchor, self.params)])
-            self.clock.at_boundary(self.round, in_flight=False)  # (as the members' at this boundary)
-        self._last_hook = time.perf_counter()
-        if len(self.siblings) == 1:  # (fragments: StreamingSync.join says it once)
-            log.warning("DiLoCoX cluster %d rejoined at round %d, iteration %d (H=%d, rank %d)", self.cfg.cluster_id,
-                        self.round, self.iteration, self.h, self.codec.rank)
-        return self
+        """The state handed over is in place: θ ← φ, and round t's Δ applied as the members apply it."""
+        return entry.joined(self, result)
 
     # ------------------------------------------------------------------------------------------ hook
     def after_inner_step(self, boundary_due: Optional[bool] = None, tokens: Optional[float] = None,

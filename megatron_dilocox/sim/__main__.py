@@ -1,6 +1,6 @@
 """CLI: ``python -m megatron_dilocox.sim [--paper] [--plan] [--json] [--sites SPEC] [--<input> VALUE ...]``.
 
-Every field of ``cost_model.Setup`` is a flag (``--hidden``, ``--tp``, ``--link-gbps``, ``--rank``, ...).
+Every field of ``setup.Setup`` is a flag (``--hidden``, ``--tp``, ``--link-gbps``, ``--rank``, ...).
 Text output ends with the line ``speedup_vs_allreduce: <number>``; ``--json`` prints one JSON object.
 ``--sites 64:3200,128:1500`` (GPUs:tokens/s per GPU[:tokens per step] per site) prints instead each site's H and
 weight and the run's tokens/s against lockstep rounds (``sites.py``), ending with ``vs_lockstep: <number>``.
@@ -19,7 +19,8 @@ from dataclasses import replace
 from megatron_dilocox.compression.sparse_form import MAX_CHUNK
 from megatron_dilocox.sim import canonical, codec_choice
 from megatron_dilocox.sim import sites as site_plan
-from megatron_dilocox.sim.cost_model import Setup, expert_tensors, layer_tensors, model_params, numel, plan, predict
+from megatron_dilocox.sim.cost_model import plan, predict
+from megatron_dilocox.sim.setup import Setup, expert_tensors, layer_tensors, model_params, numel
 
 HELP = {
     "hidden": "hidden size h", "layers": "transformer layers L", "ffn": "FFN hidden size",

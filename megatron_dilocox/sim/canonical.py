@@ -40,7 +40,8 @@ from typing import Optional
 
 from megatron_dilocox.outer.lane_plan import owners, split_lanes
 from megatron_dilocox.sim.boundary import boundary_seconds, host_seconds
-from megatron_dilocox.sim.cost_model import Setup, _pad_vocab, _stage_layers, memory, numel, predict, round_bytes
+from megatron_dilocox.sim.cost_model import memory, predict, round_bytes
+from megatron_dilocox.sim.setup import Setup, _pad_vocab, _stage_layers, numel
 
 CHUNK = 1 << 24  # glue/lanes.py: values per point-to-point message inside a site (what its device buffer holds)
 # Work per value moved (boundary.py's units: a host copy is 2 passes, read and write), by (phase, whether the value
