@@ -22,6 +22,9 @@ class DiLoCoXConfigError(ValueError):
     """A DiLoCoX setting is invalid; the message names the flag and the fix."""
 
 
+DiLoCoXConfigError.__module__ = "megatron_dilocox.config"  # its public home: the last traceback line names it there
+
+
 def flag_name(field_name: str) -> str:
     """The --dilocox-* flag of a config field (the parser, error messages and docs/configuration.md's table use it)."""
     return "--dilocox-" + field_name.replace("_", "-")

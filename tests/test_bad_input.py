@@ -11,7 +11,7 @@ Megatron's per-parse help-text scan is memoized and its argument dump recorded i
 row proves the error came before ``pretrain``, before any process group and before any rendezvous store,
 with no hook left installed. The expected
 message is the last line the user sees: ``pretrain_gpt.py: error: ...`` for what argparse rejects,
-``megatron_dilocox.config_checks.DiLoCoXConfigError: ...`` (the traceback's last line) for what ``validate()``
+``megatron_dilocox.config.DiLoCoXConfigError: ...`` (the traceback's last line) for what ``validate()``
 rejects. ``tests/test_config.py`` checks ``validate()`` on the dataclass; this table is the user-facing one.
 
 A few rows also run end to end under ``torchrun -m megatron_dilocox.pretrain_gpt`` (all at once, one
@@ -37,7 +37,7 @@ import torch
 from megatron_dilocox.harness.spawn import free_port
 from tests.megatron_flags import mock_gpt_flags
 
-CFG = "megatron_dilocox.config_checks.DiLoCoXConfigError: "  # last line of the traceback the user sees
+CFG = "megatron_dilocox.config.DiLoCoXConfigError: "  # last line of the traceback the user sees
 USAGE = "pretrain_gpt.py: error: "  # argparse's last line (prog = basename of pretrain_gpt.py)
 WITHOUT = " given without --dilocox; add --dilocox to enable DiLoCoX or drop these flags for plain Megatron"
 RENDEZVOUS = "must be HOST:PORT with a port in 1..65535, got "
