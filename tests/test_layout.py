@@ -215,8 +215,8 @@ def imported_test_modules(source: str, module: str) -> set[str]:
 
 def test_no_test_module_imports_another():
     """Shared fixtures live in tests/conftest.py and shared helpers in the tests' helper modules (workers.py,
-    megatron_flags.py, moe_shapes.py, wan_helpers.py, coord_util.py, slurm_cluster.py): importing a test module
-    from another collects its tests' set-up twice and ties one file's edits to another's."""
+    megatron_flags.py, moe_shapes.py, wan_helpers.py, coord_util.py, slurm_cluster.py, secret_watch.py):
+    importing a test module from another collects its tests' set-up twice and ties one file's edits to another's."""
     found = {path.name: imported_test_modules(path.read_text(), f"tests.{path.stem}")
              for path in sorted((ROOT / "tests").glob("test_*.py"))}
     assert len(found) > 30

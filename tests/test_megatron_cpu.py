@@ -92,9 +92,15 @@ def test_tp1_pp2_learns_and_evaluates():
     assert re.search(r"validation loss at iteration 10 \| lm loss value: [0-9.E+-]+", out)
 
 
-def test_tp2_reproduces_tp1():
+def test_tp2_reproduces_tp1_and_entry_hooks_reach_the_optimizer_build(tmp_path):
+    """TP2 reproduces TP1's losses; the TP1 run goes through an entry of its own, main(extra_args_provider,
+    install_hooks): its flag parses and its hook wraps the optimizer (one launch checked both ways)."""
+    script = tmp_path / "hooked_entry.py"
+    script.write_text(HOOKED_ENTRY)
     same_init = ["--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0"]
-    tp1 = assert_learns(run_megatron(1, *same_init), margin=0.5)
+    out = run_megatron(1, *same_init, "--test-flag", "7", entry=(str(script),))
+    assert out.count("HOOK test_flag=7 wrapped") == 1
+    tp1 = assert_learns(out, margin=0.5)
     tp2 = losses(run_megatron(2, *same_init, "--tensor-model-parallel-size", "2"))
     assert sorted(tp1) == sorted(tp2) == list(range(1, 11))
     for it in tp1:
@@ -171,11 +177,3 @@ if __name__ == "__main__":  # required: checkpoint saving spawns a process that 
     pretrain_gpt.main(extra_args_provider=add_args, install_hooks=install_hooks)
 """
 
-
-def test_entry_hooks_reach_the_optimizer_build(tmp_path):
-    """main(extra_args_provider, install_hooks): the flag parses, the hook wraps the optimizer."""
-    script = tmp_path / "hooked_entry.py"
-    script.write_text(HOOKED_ENTRY)
-    out = run_megatron(1, "--train-iters", "3", "--test-flag", "7", entry=(str(script),))
-    assert out.count("HOOK test_flag=7 wrapped") == 1
-    assert sorted(iterations(out)) == [1, 2, 3]

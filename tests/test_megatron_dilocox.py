@@ -13,6 +13,7 @@ from megatron_dilocox.compression.auth import TAG_BYTES
 from megatron_dilocox.compression.codec import HEADER_BYTES
 from megatron_dilocox.metrics import ROUND_KEYS, read_rows
 from tests.megatron_flags import failure_report, run_many_on_cpu, run_on_cpu, tiny_dilocox_flags, tiny_gpt_flags
+from tests.secret_watch import SecretWatch, file_blobs
 
 pytestmark = pytest.mark.megatron
 
@@ -50,12 +51,27 @@ def assert_loss_falls(log, margin):
 
 
 def test_two_clusters_tp1_pp2(corpus, tmp_path):
-    codes, logs = launch(2, 2, tiny_gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
-                                              "--tensorboard-dir", f"{tmp_path}/tb_c{{cluster}}",
-                                              "--wandb-project", "dilocox-test", "--wandb-exp-name", "c{cluster}",
-                                              "--wandb-save-dir", f"{tmp_path}/wandb_c{{cluster}}"),
-                         tiny_dilocox_flags(tmp_path), per_cluster_args={1: ["--eval-iters", "40"]})
+    """Two clusters of TP1 PP2 agree every round, learn, and report to Megatron's TensorBoard and wandb writers;
+    and the run's secret never leaks (tests/secret_watch.py): in no process's command line, no output line, no
+    file it wrote (torch_dist checkpoints, Megatron's index cache, metrics, TensorBoard, the offline wandb run)."""
+    watch = SecretWatch()
+    codes, logs = watch.run(lambda: launch(
+        2, 2, tiny_gpt_flags(corpus, ITERS, "--pipeline-model-parallel-size", "2",
+                             "--tensorboard-dir", f"{tmp_path}/tb_c{{cluster}}",
+                             "--wandb-project", "dilocox-test", "--wandb-exp-name", "c{cluster}",
+                             "--wandb-save-dir", f"{tmp_path}/wandb_c{{cluster}}", "--ckpt-format", "torch_dist",
+                             "--save", f"{tmp_path}/ckpt_c{{cluster}}", "--save-interval", "8",
+                             "--data-cache-path", f"{tmp_path}/cache_c{{cluster}}"),
+        tiny_dilocox_flags(tmp_path), per_cluster_args={1: ["--eval-iters", "40"]}, env=watch.env))
     assert_ok(codes, logs)
+    for log in logs:  # (DiLoCoX's own lines are in what is searched)
+        assert any(line.startswith("[dilocox] DiLoCoX round 2") for line in log.lines)
+    kinds = watch.assert_never_leaked(logs, str(tmp_path))
+    assert all(len(v) >= 2 for v in kinds.values()), kinds  # both clusters wrote each kind
+    # the searched files do hold the argument dumps the secret could have slipped into
+    assert any(b"dilocox_config" in blob for f in kinds["checkpoint"] for _, blob in file_blobs(f))
+    assert all(b"dilocox_timeout_seconds" in open(f, "rb").read() for f in kinds["wandb"])
+    assert all(list((tmp_path / f"cache_c{c}").rglob("*.npy")) for c in range(2))  # (Megatron's index cache: searched)
     # cluster 1 evaluates 20x longer, so it outlives cluster 0 (the inter-cluster store's host) by seconds: its
     # heartbeat stopped at the final flush, not at exit, so nothing beat into the closed store (torch logged a
     # "TCPStore.cpp ... recvValue failed" warning with a C++ stack on each try)

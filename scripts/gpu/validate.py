@@ -11,8 +11,8 @@ Configurations (``--configs``, default all), every one with payload authenticati
                  per-site rounds (the default): the lanes' point-to-point moves on the device's own groups
 
 GPU form (default): every process on GPU 0, Transformer Engine, bf16; about 10 minutes on one GPU. ``--cpu``: the
-same runs on CPU with the local implementation, a smaller model and fewer iterations (CI runs all but moe:
-``tests/test_validate.py``). Both print, per configuration: losses, the global-model hash of every round on every
+same runs on CPU with the local implementation, a smaller model and fewer iterations (CI runs three-sites and
+canonical: ``tests/test_validate.py``). Both print, per configuration: losses, the global-model hash of every round on every
 cluster, bytes sent against the codec's closed form and dense fp32, exposed communication, and peak GPU memory
 next to Megatron's own estimate and the planner's DiLoCoX-state figure. The last line is ``VALIDATE {json}``; the
 exit status is 1 on any disagreement (hashes, bytes, rounds, loss not falling).
