@@ -161,6 +161,7 @@ class DiLoCoXSync:
             return self.join()
         return entry.start(self)
 
+    @torch.no_grad()
     def join(self):
         """(Admitted mid-run) take φ, momentum, Q, H and round t's Δ from the members (handover.py)."""
         return self.joined(handover.receive([self])[0])
